@@ -1,0 +1,79 @@
+"""Pure sampling math: logits -> the distribution actually sampled from, a token, its
+log-probability and the distribution's entropy. No model, no state.
+
+Each request draws from its own seeded stream (one uniform per token, inverse-CDF), so a
+request's tokens do not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+    stop_ids: tuple[int, ...] = ()
+    seed: int | None = None  # None: drawn from the engine's seeded stream
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the distribution sampled from, -inf outside its support.
+
+    logits (B, V) float; temperature, top_p (B,) float; top_k (B,) long (0 = off).
+    Greedy rows (temperature 0) get the untempered distribution, whose argmax they take.
+    """
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits.float() / t[:, None]
+    filtered = top_k.gt(0).any() or top_p.lt(1).any()
+    if filtered:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token: keep the first
+        drop |= before >= top_p[:, None]  # tokens until top_p is reached
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return scaled.log_softmax(-1)
+
+
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    p = logprobs.exp()
+    return -(p * logprobs.masked_fill(p == 0, 0.0)).sum(-1)
+
+
+def draw(logprobs: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Tokens by inverse CDF on per-row uniforms (B,), argmax for greedy rows."""
+    cdf = logprobs.exp().cumsum(-1)
+    u = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]
+    sampled = torch.searchsorted(cdf, u).squeeze(-1).clamp_max(logprobs.shape[-1] - 1)
+    # never land on a zero-probability token through rounding at the top of the CDF
+    sampled = torch.where(torch.isfinite(logprobs.gather(-1, sampled[:, None]).squeeze(-1)),
+                          sampled, logprobs.argmax(-1))
+    return torch.where(greedy, logprobs.argmax(-1), sampled)
+
+
+class SeedStream:
+    """A per-request stream of uniforms."""
+
+    def __init__(self, seed: int):
+        self._rng = random.Random(seed)
+
+    def next(self) -> float:
+        return self._rng.random()

@@ -1,0 +1,77 @@
+"""Tokenizer and model factory: a character tokenizer and a tiny Hugging Face causal LM built
+from a config, and load/save of any local Hugging Face causal-LM folder (safetensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast,
+                          Qwen2Config)
+
+from rollwise.config import ModelConfig
+
+# Characters of the built-in tasks, plus a few letters for user prompts and hints.
+CHARSET = "0123456789+-*=;#.,:?() abcdefghijklmnopqrstuvwxyz"
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
+    """One token per character. Load a saved one with PreTrainedTokenizerFast.from_pretrained
+    (AutoTokenizer on a qwen2 folder would swap in a byte-level pre-tokenizer)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(charset)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def tiny_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int):
+    common = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
+                  max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
+                  pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None)
+    config = Qwen2Config(**common) if cfg.arch == "qwen2" else LlamaConfig(**common)
+    model = AutoModelForCausalLM.from_config(config)
+    return model.to(_DTYPES[cfg.dtype])
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def load_model(path: str | Path, dtype: str = "float32"):
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
+    return model, load_tokenizer(path)
+
+
+def build(cfg: ModelConfig, seed: int = 0):
+    """The configured model and tokenizer: from cfg.path, or a fresh tiny model."""
+    if cfg.path:
+        return load_model(cfg.path, cfg.dtype)
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    return tiny_model(cfg, len(tok), tok.pad_token_id, tok.eos_token_id), tok
+
+
+def save(model, tokenizer, path: str | Path) -> None:
+    """Save as a Hugging Face folder (safetensors), atomically: write aside, then rename."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,47 @@
+"""Tasks: problem sets with verifiable answers, split into train and held-out eval.
+
+A task gives `train` and `eval` lists of Problem and `extract_answer(response_text)`, the
+string the verifier compares with the problem's answer. Built in: `arith` (tiers of growing
+difficulty), `gym:<name>` (reasoning-gym), `file` (JSONL/Parquet rows of prompt and answer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from rollwise.config import TaskConfig
+
+
+@dataclass
+class Problem:
+    id: str
+    prompt: str
+    answer: str
+    tier: str = "all"
+    solution: str | None = None  # worked response for the supervised warm start
+    data: dict[str, Any] = field(default_factory=dict)  # source row, for custom verifiers
+
+
+class Task(Protocol):
+    train: list[Problem]
+    eval: list[Problem]
+
+    def extract_answer(self, response: str) -> str | None: ...
+
+    score_fn: Callable[[str, Problem], float] | None
+    """Task's own scorer (reasoning-gym); None uses the configured verifier."""
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    if cfg.name == "arith":
+        from rollwise.tasks.arith import ArithTask
+        return ArithTask(cfg)
+    if cfg.name.startswith("gym:"):
+        from rollwise.tasks.gym import GymTask
+        return GymTask(cfg)
+    if cfg.name == "file":
+        from rollwise.tasks.files import FileTask
+        return FileTask(cfg)
+    raise ValueError(f"task.name = {cfg.name!r}: use 'arith', 'gym:<reasoning-gym dataset>' "
+                     "or 'file'")

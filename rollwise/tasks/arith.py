@@ -1,0 +1,98 @@
+"""Built-in arithmetic tiers with exact answers, generated from a seed.
+
+Prompts are right-aligned to a fixed width and answers are written least-significant digit
+first ("12+39=" -> "15" for 51): carries then flow left to right, which a tiny model learns in
+minutes. The warm start learns add2/sub2 from noisy worked solutions and mostly fails add3 and
+chain, so RL has both fixable and hard prompts, reported per tier.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rollwise.config import TaskConfig
+from rollwise.tasks import Problem
+
+WIDTH = 10  # prompt width in characters, left-padded with spaces
+
+
+def _add2(r: random.Random): a, b = r.randint(10, 99), r.randint(10, 99); return f"{a}+{b}=", a + b
+def _sub2(r: random.Random):
+    a, b = sorted((r.randint(10, 99), r.randint(10, 99)), reverse=True)
+    return f"{a}-{b}=", a - b
+def _add3(r: random.Random): a, b = r.randint(100, 999), r.randint(100, 999); return f"{a}+{b}=", a + b
+def _chain(r: random.Random):
+    a, b, c = (r.randint(10, 99) for _ in range(3))
+    return f"{a}+{b}-{c}=", a + b - c
+def _mul1(r: random.Random): a, b = r.randint(2, 9), r.randint(10, 99); return f"{a}*{b}=", a * b
+
+
+TIERS = {"add2": _add2, "sub2": _sub2, "add3": _add3, "chain": _chain, "mul1": _mul1}
+
+
+def encode_answer(value: int) -> str:
+    return str(value)[::-1]
+
+
+def noisy_answer(value: int, rng: random.Random) -> str:
+    """The answer with its most significant digit moved by one (a plausible slip)."""
+    s = str(abs(value))
+    lo = 1 if len(s) > 1 else 0
+    top = int(s[0])
+    choices = [d for d in (top - 1, top + 1) if lo <= d <= 9]
+    s = str(rng.choice(choices)) + s[1:]
+    return ("-" if value < 0 else "") + s
+
+
+class ArithTask:
+    score_fn = None
+
+    def __init__(self, cfg: TaskConfig):
+        unknown = set(cfg.tiers) - set(TIERS)
+        if unknown:
+            raise ValueError(f"task.tiers: unknown tier(s) {sorted(unknown)}; "
+                             f"choose from {sorted(TIERS)}")
+        total = sum(cfg.tiers.values())
+        if total <= 0 or any(w < 0 for w in cfg.tiers.values()):
+            raise ValueError(f"task.tiers = {cfg.tiers}: weights must be >= 0 with a positive sum")
+        self.weights = {t: w / total for t, w in cfg.tiers.items() if w > 0}
+        rng = random.Random(cfg.seed)
+        self.eval = []
+        seen: set[str] = set()
+        for tier, w in self.weights.items():
+            n = max(1, round(cfg.eval_size * w))
+            self.eval += self._draw(tier, n, rng, seen, "eval")
+        names = list(self.weights)
+        counts = dict.fromkeys(names, 0)
+        for t in rng.choices(names, weights=[self.weights[t] for t in names], k=cfg.train_size):
+            counts[t] += 1
+        self.train = []
+        for tier in names:  # repeats allowed in train; eval prompts never appear in it
+            self.train += self._draw(tier, counts[tier], rng, seen, "train")
+        rng.shuffle(self.train)
+
+    @staticmethod
+    def _draw(tier, n, rng, exclude, split):
+        """n problems of a tier, none in `exclude`; eval prompts are unique and join it."""
+        out, tries = [], 0
+        while len(out) < n:
+            tries += 1
+            if tries > 100 * n + 1000:
+                raise ValueError(f"tier {tier!r} has too few distinct problems for {n} {split} "
+                                 "prompts; lower task.eval_size")
+            prompt, value = TIERS[tier](rng)
+            if prompt in exclude:
+                continue
+            if split == "eval":
+                exclude.add(prompt)
+            out.append(Problem(id=f"{split}-{tier}-{len(out)}", prompt=prompt.rjust(WIDTH),
+                               answer=str(value), tier=tier, solution=encode_answer(value),
+                               data={"value": value}))
+        return out
+
+    def noisy_solution(self, problem: Problem, rng: random.Random) -> str:
+        return noisy_answer(int(problem.answer), rng)[::-1]
+
+    def extract_answer(self, response: str) -> str | None:
+        text = response.strip()
+        return text[::-1] if text else None

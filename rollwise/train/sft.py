@@ -1,0 +1,101 @@
+"""Supervised warm start on the task's worked solutions, with noise so RL has work to do.
+
+`rollwise sft` runs it on its own; `rollwise train` runs it first when no initial model is
+given and caches the result under <run.root>/.cache/sft-<hash of the settings>.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rollwise import models
+from rollwise.config import Config
+from rollwise.tasks import Task
+
+
+def cache_path(cfg: Config) -> Path:
+    key = json.dumps({"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
+                      "sft": cfg.sft.model_dump(), "seed": cfg.run.seed}, sort_keys=True)
+    return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def sft_examples(task: Task, tokenizer, noise: float, seed: int) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) for every train problem with a worked solution."""
+    rng = random.Random(seed)
+    out = []
+    for p in task.train:
+        if p.solution is None:
+            continue
+        noisy = noise > 0 and hasattr(task, "noisy_solution") and rng.random() < noise
+        solution = task.noisy_solution(p, rng) if noisy else p.solution
+        prompt = tokenizer(p.prompt)["input_ids"]
+        out.append((prompt + tokenizer(solution)["input_ids"] + [tokenizer.eos_token_id],
+                    len(prompt)))
+    if not out:
+        raise ValueError("the task has no worked solutions to warm-start from; "
+                         "pass run.init=<model folder> instead")
+    return out
+
+
+def collate(examples, pad_id: int):
+    T = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), T), pad_id)
+    attn = torch.zeros((len(examples), T), dtype=torch.long)
+    labels = torch.full((len(examples), T), -100)
+    for i, (seq, plen) in enumerate(examples):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        attn[i, :len(seq)] = 1
+        labels[i, plen:len(seq)] = ids[i, plen:len(seq)]  # loss on the response only
+    return ids, attn, labels
+
+
+def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None):
+    """Train in place for cfg.sft.steps; eval_fn(model) -> metrics dict, every eval_every."""
+    c = cfg.sft
+    examples = sft_examples(task, tokenizer, c.noise, cfg.run.seed)
+    rng = random.Random(cfg.run.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=0.01)
+    warm = max(1, c.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1 - s / max(c.steps, 1)))
+    model.train()
+    t0 = time.time()
+    for step in range(1, c.steps + 1):
+        ids, attn, labels = collate(rng.sample(examples, min(c.batch_size, len(examples))),
+                                    tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % c.eval_every == 0 or step == c.steps:
+            msg = f"sft step {step}/{c.steps} loss {loss.item():.3f} {time.time() - t0:.0f}s"
+            if eval_fn is not None:
+                m = eval_fn(model)
+                msg += " " + " ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in m.items())
+                model.train()
+            log(msg)
+    model.eval()
+    return model
+
+
+def warm_start(cfg: Config, task: Task, log=print, eval_fn=None):
+    """The cached warm-start model and tokenizer, training it if it is not cached yet."""
+    path = cache_path(cfg)
+    if (path / "config.json").exists():
+        log(f"warm start: cached at {path}")
+        return models.load_model(path, cfg.model.dtype)
+    model, tok = models.build(cfg.model, seed=cfg.run.seed)
+    log(f"warm start: {models.num_params(model) / 1e6:.2f}M-parameter model, "
+        f"{cfg.sft.steps} SFT steps (cached afterwards at {path})")
+    train_sft(model, tok, task, cfg, log=log, eval_fn=eval_fn)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    models.save(model, tok, path)
+    return model, tok

@@ -1,0 +1,147 @@
+"""Core record types: one trajectory (Sample), the samples of one prompt (Group), and the
+columnar Batch the trainer consumes.
+
+A Sample keeps token-level truth: token ids (never re-tokenized text), the behaviour
+log-probability the engine sampled each response token with, the policy version that produced
+each token, and a loss mask. Partial, stale, replayed and branched rollouts are then all
+corrected exactly later on, instead of being treated as on-policy.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Status(str, enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"  # ended on a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"
+    FAILED = "failed"  # scoring or generation failed; reason in reward_info
+
+
+def new_uid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass
+class Sample:
+    """One trajectory: a prompt and one sampled response, at token level."""
+
+    prompt_id: str  # the dataset row this came from
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log p of each response token
+    versions: list[int] = field(default_factory=list)  # policy version that sampled each token
+    loss_mask: list[int] = field(default_factory=list)  # 1 = train on this token (0: tool/obs)
+    entropies: list[float] = field(default_factory=list)
+    status: Status = Status.RUNNING
+    rewards: dict[str, float] = field(default_factory=dict)  # named reward channels
+    reward: float = 0.0  # the scalar the optimizer uses
+    reward_info: str = ""  # extracted answer, or why scoring failed
+    # lineage
+    uid: str = field(default_factory=new_uid)
+    group_id: str = ""
+    parent_uid: str | None = None  # tree parent (fork) or the paused sample this resumes
+    branch_point: int | None = None  # response index where this branched off its parent
+    step: int = -1  # training step whose batch this sample was generated for
+    meta: dict[str, Any] = field(default_factory=dict)  # task data: answer, tier, text
+
+    def append(self, token: int, logprob: float, version: int, entropy: float | None = None,
+               trainable: bool = True) -> None:
+        self.response_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        self.loss_mask.append(1 if trainable else 0)
+        if entropy is not None:
+            self.entropies.append(entropy)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED, Status.ABORTED)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.response_ids)
+
+    def check(self) -> None:
+        """Raise if the per-token columns disagree in length (a bug, never user input)."""
+        n = len(self.response_ids)
+        for name in ("logprobs", "versions", "loss_mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"sample {self.uid}: {name} has {len(getattr(self, name))} "
+                                 f"entries for {n} response tokens")
+
+
+@dataclass
+class Group:
+    """The samples of one prompt; advantages are computed within a group."""
+
+    prompt_id: str
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when rewards differ, i.e. the group carries a learning signal."""
+        r = self.rewards
+        return len(r) > 1 and max(r) != min(r)
+
+
+@dataclass
+class Batch:
+    """Columnar, right-padded form of a list of samples for the trainer.
+
+    Sequences are prompt + response. Per-token columns are aligned to the *targets*: column t
+    describes token t+1 of input_ids, so logits[:, t] predicts input_ids[:, t+1].
+    """
+
+    input_ids: torch.Tensor  # (B, T) long
+    attention_mask: torch.Tensor  # (B, T) long
+    loss_mask: torch.Tensor  # (B, T-1) float, 1 on trained response targets
+    behaviour_logprobs: torch.Tensor  # (B, T-1) float
+    versions: torch.Tensor  # (B, T-1) long, -1 outside the response
+    advantages: torch.Tensor  # (B,) float, one per sample (broadcast over its tokens)
+    group_index: torch.Tensor  # (B,) long
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], advantages: list[float], pad_id: int,
+                     group_index: list[int] | None = None) -> "Batch":
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        B, T = len(samples), max(lengths)
+        input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+        attention = torch.zeros((B, T), dtype=torch.long)
+        loss_mask = torch.zeros((B, T - 1))
+        behaviour = torch.zeros((B, T - 1))
+        versions = torch.full((B, T - 1), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            input_ids[i, :p + n] = torch.tensor(s.prompt_ids + s.response_ids)
+            attention[i, :p + n] = 1
+            # response token j sits at position p+j and is predicted from column p+j-1
+            loss_mask[i, p - 1:p - 1 + n] = torch.tensor(s.loss_mask, dtype=torch.float)
+            behaviour[i, p - 1:p - 1 + n] = torch.tensor(s.logprobs, dtype=torch.float)
+            versions[i, p - 1:p - 1 + n] = torch.tensor(s.versions, dtype=torch.long)
+        gi = torch.tensor(group_index if group_index is not None else list(range(B)))
+        return cls(input_ids, attention, loss_mask, behaviour, versions,
+                   torch.tensor(advantages, dtype=torch.float), gi)
+
+    def select(self, idx: torch.Tensor) -> "Batch":
+        """Rows idx, trimmed to the longest remaining sequence."""
+        T = int(self.attention_mask[idx].sum(1).max())
+        return Batch(self.input_ids[idx, :T], self.attention_mask[idx, :T],
+                     self.loss_mask[idx, :T - 1], self.behaviour_logprobs[idx, :T - 1],
+                     self.versions[idx, :T - 1], self.advantages[idx], self.group_index[idx])
