@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -80,10 +80,79 @@ class ReplayConfig(Section):
     enabled: bool = False
 
 
+class CorrectionConfig(Section):
+    """Importance correction for tokens the current policy did not sample
+    (rollwise.train.correction): engine mismatch and staleness."""
+    mode: Literal["none", "tis", "mis"] = "none"
+    """'none': the anchor is taken as the behaviour policy; 'tis': loss weight
+    min(anchor/behaviour, high); 'mis': drop tokens (or sequences) whose weight leaves
+    [low, high]."""
+    level: Literal["token", "sequence"] = "token"
+    """One weight per token, or one per sequence (product of its token ratios)."""
+    low: float = Field(0.5, ge=0)
+    high: float = Field(2.0, gt=0)
+    anchor: Literal["proximal", "version"] = "proximal"
+    """Denominator of the PPO ratio. 'proximal': the trainer's policy at the start of the
+    update (AReaL's decoupled objective; the weight corrects mismatch and staleness).
+    'version': the trainer's policy at the version that sampled each token (needs snapshots;
+    the clip handles staleness and the weight corrects engine mismatch only)."""
+    snapshots: int = Field(0, ge=0)
+    """Keep the weights of the last N policy versions, so the behaviour ratio of stale tokens
+    splits exactly into mismatch and staleness; 0 keeps none."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Drop tokens sampled more than this many policy versions ago; None keeps all."""
+    vcpo_lr: bool = False
+    """VCPO: scale each step's learning rate by sqrt(min(1, (ESS/B) / vcpo_rho0))."""
+    vcpo_rho0: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.low >= self.high:
+            raise ValueError(f"train.correction.low = {self.low} must be below high = "
+                             f"{self.high}")
+        if self.anchor == "version" and self.snapshots < 1:
+            raise ValueError("train.correction.anchor = 'version' needs train.correction."
+                             "snapshots >= 1 (ideally >= max_staleness)")
+        return self
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
-    advantage: Literal["grpo"] = "grpo"
-    loss: Literal["ppo_clip"] = "ppo_clip"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                       "mc_grpo", "gdpo"] = "grpo"
+    """Advantage estimator (rollwise.train.advantages)."""
+    reward_weights: dict[str, float] = {}
+    """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
+    advantage_clip: float | None = Field(None, gt=0)
+    """Cap |advantage| (MC-GRPO gives |A| = 1000 when a group's MAD is 0); None: no cap."""
+    token_shaping: str = "none"
+    """Per-token advantage hook: a registered name or 'package.module:function'."""
+    loss: Literal["ppo_clip", "dual_clip", "gspo"] = "ppo_clip"
+    """Policy loss (rollwise.train.losses). GSPO wants clip_low/high near 3e-4/4e-4."""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = \
+        "seq-mean-token-mean"
+    """GRPO: seq-mean-token-mean; DAPO: token-mean; Dr.GRPO: seq-mean-token-sum-norm."""
+    norm_length: int | None = Field(None, gt=0)
+    """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO: the generation budget); None
+    uses the longest response of each update."""
+    micro_batch_size: int = Field(0, ge=0)
+    """Samples per forward/backward; gradients accumulate over each minibatch. 0: whole."""
+    dual_clip_c: float = Field(3.0, gt=1)
+    """Dual-clip bound on negative-advantage tokens (loss 'dual_clip')."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: loss -= entropy_coef * token entropy."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """KL to the initial policy as a loss term, or subtracted from the reward (summed over
+    the response) before the advantages."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated responses leave the loss."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong punishment over the last N tokens of overlong_max_length; 0: off."""
+    overlong_max_length: int | None = Field(None, gt=0)
+    """Length budget of the soft overlong punishment (set it to generate.max_new_tokens)."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    correction: CorrectionConfig = CorrectionConfig()
     lr: float = Field(3e-4, gt=0)
     lr_end_factor: float = Field(0.1, ge=0, le=1)
     """Linear decay to lr * lr_end_factor over the run (a constant rate swings late pass@1)."""
@@ -94,7 +163,15 @@ class TrainConfig(Section):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL estimate to the initial policy; 0 keeps no reference model."""
+    """Weight of the KL estimate to the initial policy; 0 keeps no reference model."""
+
+    @model_validator(mode="after")
+    def _check_overlong(self):
+        if self.overlong_buffer > 0 and (self.overlong_max_length is None
+                                         or self.overlong_buffer > self.overlong_max_length):
+            raise ValueError(f"train.overlong_buffer = {self.overlong_buffer} needs "
+                             "train.overlong_max_length >= it (the generation budget)")
+        return self
 
 
 class SFTConfig(Section):

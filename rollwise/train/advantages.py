@@ -1,16 +1,51 @@
 """Advantage estimators: pure functions of per-sample rewards and group membership, chosen by
-name through a small registry.
+name (`train.advantage`) through a small registry.
 
-    fn(rewards (N,), group_index (N,) long) -> advantages (N,)
+    fn(AdvantageInputs) -> AdvantageOutput(advantages (N,), keep (N,) bool)
+
+`keep` is False for a sample that must leave the loss (MC-GRPO's median pivot). A second,
+token-level hook (`train.token_shaping`) rescales the broadcast advantages per token; ECHO's
+entropy-confidence scaling plugs in there.
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {}
+ADVANTAGES: dict[str, Callable[["AdvantageInputs"], "AdvantageOutput"]] = {}
+TOKEN_SHAPERS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+@dataclass
+class AdvantageInputs:
+    rewards: torch.Tensor  # (N,) float: the scalar reward of each sample
+    group_index: torch.Tensor  # (N,) long: which prompt group each sample belongs to
+    channels: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,), for GDPO
+    channel_weights: dict[str, float] = field(default_factory=dict)  # missing name -> 1.0
+
+
+@dataclass
+class AdvantageOutput:
+    advantages: torch.Tensor  # (N,)
+    keep: torch.Tensor  # (N,) bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _resolve(registry: dict, name: str, kind: str, config_key: str):
+    if name in registry:
+        return registry[name]
+    if ":" in name:  # a user's 'package.module:function'
+        module, attr = name.split(":", 1)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise KeyError(f"{config_key} = {name!r}: cannot import it ({e})") from None
+    raise KeyError(f"{config_key} = {name!r}: unknown {kind}; choose from {sorted(registry)} "
+                   "or give 'package.module:function'")
 
 
 def register_advantage(name: str):
@@ -20,14 +55,26 @@ def register_advantage(name: str):
     return wrap
 
 
-def get_advantage(name: str) -> Callable[..., torch.Tensor]:
-    if name not in ADVANTAGES:
-        raise KeyError(f"unknown advantage estimator {name!r}; choose from {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name]
+def get_advantage(name: str):
+    return _resolve(ADVANTAGES, name, "advantage estimator", "train.advantage")
 
+
+def register_token_shaping(name: str):
+    def wrap(fn):
+        TOKEN_SHAPERS[name] = fn
+        return fn
+    return wrap
+
+
+def get_token_shaping(name: str):
+    return _resolve(TOKEN_SHAPERS, name, "token shaping", "train.token_shaping")
+
+
+# ---------------------------------------------------------------------------------- helpers
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor):
-    """Per-sample mean and (unbiased) std of the sample's group. values (N,) -> (N,), (N,)."""
+    """Per-sample mean and (unbiased) std of the sample's group. values (N,) -> (N,), (N,).
+    A group of one has std 0."""
     _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=values.dtype).index_add_(0, inverse, values)
     mean = sums / counts
@@ -37,9 +84,143 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor):
     return mean[inverse], std[inverse]
 
 
+def _groups(group_index: torch.Tensor) -> list[torch.Tensor]:
+    """Indices of each group's samples, in order of first appearance."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    return [(inverse == k).nonzero().squeeze(-1) for k in range(int(inverse.max()) + 1)] \
+        if len(group_index) else []
+
+
+def whiten(values: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the whole batch (unbiased std; one sample -> x - mean)."""
+    std = values.std() if values.numel() > 1 else values.new_zeros(())
+    return (values - values.mean()) / (std + eps)
+
+
+def _out(adv: torch.Tensor, keep: torch.Tensor | None = None, **metrics) -> AdvantageOutput:
+    keep = torch.ones_like(adv, dtype=torch.bool) if keep is None else keep
+    return AdvantageOutput(adv, keep, {k: float(v) for k, v in metrics.items()})
+
+
+# ------------------------------------------------------------------------------- estimators
+
 @register_advantage("grpo")
-def grpo(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath eq. 3): A_i = (r_i - mean_g r) / (std_g r + eps),
-    std unbiased as in TRL and verl. A group with equal rewards gets zeros."""
-    mean, std = group_stats(rewards.float(), group_index)
-    return (rewards - mean) / (std + eps)
+def grpo(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
+    """GRPO (Shao et al. 2024, DeepSeekMath, §4.1.2 outcome supervision):
+    A_i = (r_i - mean_g r) / (std_g r + eps), std unbiased as in TRL and verl.
+    A group with equal rewards gets zeros."""
+    r = x.rewards.float()
+    mean, std = group_stats(r, x.group_index)
+    return _out((r - mean) / (std + eps))
+
+
+@register_advantage("dr_grpo")
+def dr_grpo(x: AdvantageInputs) -> AdvantageOutput:
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3):
+    A_i = r_i - mean_g r, with no division by the group std. The other half of Dr.GRPO, no
+    1/|o_i| length normalisation, is the loss aggregation `seq-mean-token-sum-norm`."""
+    r = x.rewards.float()
+    mean, _ = group_stats(r, x.group_index)
+    return _out(r - mean)
+
+
+@register_advantage("rloo")
+def rloo(x: AdvantageInputs) -> AdvantageOutput:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics", eq. 5): leave-one-out baseline
+    A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean_g r). A group of one gets 0."""
+    r = x.rewards.float()
+    mean, _ = group_stats(r, x.group_index)
+    _, inverse, counts = torch.unique(x.group_index, return_inverse=True, return_counts=True)
+    g = counts[inverse].float()
+    scale = torch.where(g > 1, g / (g - 1).clamp_min(1), torch.zeros_like(g))
+    return _out(scale * (r - mean))
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262, eq. 7-8): no critic, no group baseline;
+    the outcome reward (minus the KL penalty when kl_mode='reward') is whitened over the
+    whole batch: A_i = (r_i - mean_B r) / (std_B r + eps)."""
+    return _out(whiten(x.rewards.float(), eps))
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
+    """REINFORCE++-baseline (Hu et al. 2025, §3.3): subtract the group mean first, then whiten
+    over the batch: A_i = whiten_B(r_i - mean_g r)."""
+    r = x.rewards.float()
+    mean, _ = group_stats(r, x.group_index)
+    return _out(whiten(r - mean, eps))
+
+
+@register_advantage("mc_grpo")
+def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:
+    """MC-GRPO (median-centred GRPO; METHODS.md §3.7, lotusroot-kim/MC-GRPO):
+    A_i = (r_i - median_g r) / (MAD_g + eps), MAD_g = median_g |r - median_g r|, and the
+    pivot sample (the one at the median rank; the lower middle for an even group) is dropped
+    from the loss, so G+1 rollouts give G gradients. With binary rewards MAD is often 0 and
+    |A| = 1/eps = 1000: finite, but scale-sensitive; cap it with train.advantage_clip."""
+    r = x.rewards.float()
+    adv = torch.zeros_like(r)
+    keep = torch.ones_like(r, dtype=torch.bool)
+    mad_zero = 0
+    for idx in _groups(x.group_index):
+        g = r[idx]
+        order = torch.argsort(g, stable=True)
+        pivot = order[(len(g) - 1) // 2]  # torch.median's lower middle, as an index
+        med = g[pivot]
+        mad = (g - med).abs().median()
+        mad_zero += int(mad == 0)
+        adv[idx] = (g - med) / (mad + eps)
+        if len(g) > 1:  # a lone sample is its own median; dropping it would leave nothing
+            keep[idx[pivot]] = False
+    return _out(adv, keep, mad_zero_groups=mad_zero)
+
+
+@register_advantage("gdpo")
+def gdpo(x: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutput:
+    """GDPO (NVlabs, group reward-decoupled normalisation; METHODS.md §3.8): each reward
+    channel k is normalised within its group, A_k = (r_k - mean_g r_k) / (std_g r_k + eps);
+    the channels are summed with weights w_k and the sum is whitened over the batch,
+    A = whiten_B(sum_k w_k A_k). GRPO normalises the *sum*, which maps distinct channel
+    combinations with equal totals to one advantage; GDPO keeps them apart."""
+    if not x.channels:
+        raise ValueError("train.advantage = 'gdpo' needs named reward channels "
+                         "(Sample.rewards); none were given")
+    unknown = set(x.channel_weights) - set(x.channels)
+    if unknown:
+        raise ValueError(f"train.reward_weights names channel(s) {sorted(unknown)} that the "
+                         f"samples lack; they have {sorted(x.channels)}")
+    total = torch.zeros_like(x.rewards, dtype=torch.float)
+    for name, values in x.channels.items():
+        mean, std = group_stats(values.float(), x.group_index)
+        total = total + x.channel_weights.get(name, 1.0) * (values - mean) / (std + eps)
+    return _out(whiten(total, eps))
+
+
+# ------------------------------------------------------------------------- token shaping
+
+@register_token_shaping("none")
+def no_shaping(token_advantages: torch.Tensor, batch) -> torch.Tensor:
+    """Identity: every response token carries its sample's advantage."""
+    return token_advantages
+
+
+def compute_advantages(name: str, x: AdvantageInputs,
+                       clip: float | None = None) -> AdvantageOutput:
+    """Run the named estimator, optionally cap |A| at `clip`, and add summary metrics."""
+    out = get_advantage(name)(x)
+    adv = out.advantages
+    if not torch.isfinite(adv).all():
+        raise FloatingPointError(f"train.advantage = {name!r} produced non-finite advantages")
+    if clip is not None:
+        out.metrics["clipped"] = float((adv.abs() > clip).sum())
+        adv = adv.clamp(-clip, clip)
+    kept = adv[out.keep]
+    out.advantages = adv
+    out.metrics.update(
+        mean=float(kept.mean()) if kept.numel() else 0.0,
+        abs_max=float(kept.abs().max()) if kept.numel() else 0.0,
+        zero_frac=float((kept == 0).float().mean()) if kept.numel() else 0.0,
+        dropped_samples=float((~out.keep).sum()))
+    return out

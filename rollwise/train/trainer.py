@@ -1,31 +1,58 @@
-"""The trainer: groups of scored samples -> advantages -> minibatched policy-gradient steps.
+"""The trainer: groups of scored samples -> advantages -> importance correction ->
+minibatched policy-gradient steps (with gradient accumulation over micro-batches).
 
 Log-probabilities are recomputed by the trainer: the proximal ("old") policy once at the start
-of the update, the current one per minibatch. The engine's behaviour log-probabilities travel in
-the Batch for the importance corrections; the gap between them is reported as a metric.
+of the update, the current one per micro-batch, and, with `train.correction.snapshots`, the
+policy of the version that sampled each stale token. The engine's behaviour log-probabilities
+travel in the Batch; rollwise.train.correction turns them into loss weights and masks.
+
+Every choice is a name in TrainConfig: advantage, token_shaping, loss, loss_agg, kl_estimator,
+correction.mode/level/anchor. Metrics come back under train/ (adv/, correction/, dropped_tokens/).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 
 from rollwise.config import TrainConfig
-from rollwise.train.advantages import get_advantage
-from rollwise.train.losses import aggregate, get_policy_loss, kl_k3, masked_mean
-from rollwise.types import Batch, Group
+from rollwise.train import correction as corr
+from rollwise.train.advantages import AdvantageInputs, compute_advantages, get_token_shaping
+from rollwise.train.group_filters import overlong_keep, shaped_reward, soft_overlong_penalty
+from rollwise.train.losses import LossParams, aggregate, get_kl, get_policy_loss, masked_mean
+from rollwise.types import Batch, Group, Sample
 
 
-def token_logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and entropy per position, (B, T-1) each, from one forward pass."""
+def token_logprobs(model, batch: Batch, entropy_grad: bool = False):
+    """log p(target) and entropy per position, (B, T-1) each, from one forward pass.
+    The entropy carries a gradient only when entropy_grad (the entropy bonus needs it)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp_all = logits[:, :-1].float().log_softmax(-1)
     logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
+
+
+@dataclass
+class Prepared:
+    """Everything an update needs per token, computed once before the minibatch loop."""
+    batch: Batch
+    anchor: torch.Tensor  # (B, T-1) denominator of the PPO ratio (no grad)
+    weights: torch.Tensor  # (B, T-1) importance weights of the loss (no grad)
+    mask: torch.Tensor  # (B, T-1) final loss mask after every drop
+    token_adv: torch.Tensor  # (B, T-1)
+    ref: torch.Tensor | None  # (B, T-1) reference log-probs for the KL loss term
+    seq_log_w: torch.Tensor  # (B,) log pi_prox/mu summed over each sequence's kept tokens
+    norm_length: int
+
+    def rows(self, idx: torch.Tensor, T: int) -> dict[str, torch.Tensor | None]:
+        cut = lambda x: None if x is None else x[idx][:, :T]  # noqa: E731
+        return {"anchor": cut(self.anchor), "weights": cut(self.weights),
+                "mask": cut(self.mask), "adv": cut(self.token_adv), "ref": cut(self.ref)}
 
 
 class Trainer:
@@ -35,8 +62,10 @@ class Trainer:
         self.pad_id = pad_id
         self.seed = seed
         self.version = 0
-        self.advantage_fn = get_advantage(cfg.advantage)
         self.loss_fn = get_policy_loss(cfg.loss)
+        self.shaping = get_token_shaping(cfg.token_shaping)
+        self.kl_fn = get_kl(cfg.kl_estimator)
+        self.loss_params = LossParams(cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
         total = max(cfg.steps, 1)
@@ -46,66 +75,224 @@ class Trainer:
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
+        self._scratch = None  # a model copy that snapshots are loaded into
 
-    def make_batch(self, groups: list[Group]) -> Batch:
+    # ------------------------------------------------------------------ data preparation
+
+    def rewards(self, samples: list[Sample]) -> torch.Tensor:
+        """The scalar rewards the estimator sees: Sample.reward + soft overlong penalty."""
+        return torch.tensor([shaped_reward(s, self.cfg) for s in samples], dtype=torch.float)
+
+    def advantage_inputs(self, groups: list[Group], rewards: torch.Tensor) -> AdvantageInputs:
         samples = [s for g in groups for s in g.samples]
         gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)
-        adv = self.advantage_fn(rewards, gidx)
-        return Batch.from_samples(samples, adv.tolist(), self.pad_id, gidx.tolist())
+        channels = {}
+        if self.cfg.advantage == "gdpo":
+            names = list(dict.fromkeys(k for s in samples for k in s.rewards))
+            for name in names:
+                missing = [s.uid for s in samples if name not in s.rewards]
+                if missing:
+                    raise ValueError(f"train.advantage = 'gdpo': sample {missing[0]} lacks reward "
+                                     f"channel {name!r}; every sample needs the same channels")
+                channels[name] = torch.tensor([s.rewards[name] for s in samples])
+            if self.cfg.overlong_buffer > 0:
+                channels["overlong_penalty"] = torch.tensor([soft_overlong_penalty(
+                    s.num_tokens, self.cfg.overlong_max_length, self.cfg.overlong_buffer,
+                    self.cfg.overlong_penalty_factor) for s in samples])
+        return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights))
+
+    def make_batch(self, groups: list[Group]) -> Batch:
+        """The columnar batch with each sample's advantage (no KL reward penalty)."""
+        samples = [s for g in groups for s in g.samples]
+        x = self.advantage_inputs(groups, self.rewards(samples))
+        adv = compute_advantages(self.cfg.advantage, x, self.cfg.advantage_clip).advantages
+        return Batch.from_samples(samples, adv.tolist(), self.pad_id, x.group_index.tolist())
+
+    def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
+        """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""
+        V, versions, mask = self.version, batch.versions, batch.loss_mask
+        newer = versions[mask > 0] > V
+        if newer.any():
+            raise ValueError(f"a token carries policy version {int(versions[mask > 0].max())}, "
+                             f"newer than the trainer's {V}: samples from another run?")
+        known = (versions == V) | (mask == 0)
+        if not self._snapshots:
+            return None, known
+        out = prox.clone()
+        for v in sorted(set(versions[mask > 0].unique().tolist()) - {V}):
+            if v not in self._snapshots:
+                continue
+            if self._scratch is None:
+                self._scratch = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self._scratch.load_state_dict(self._snapshots[v])
+            rows = (versions == v).any(-1).nonzero().squeeze(-1)
+            sub = batch.select(rows)
+            lp, _ = token_logprobs(self._scratch, sub)
+            full = torch.zeros(len(rows), prox.shape[1])
+            full[:, :lp.shape[1]] = lp
+            here = versions[rows] == v
+            out[rows] = torch.where(here, full, out[rows])
+            known[rows] |= here
+        return out, known
+
+    def _keep_snapshot(self) -> None:
+        n = self.cfg.correction.snapshots
+        if n <= 0:
+            return
+        self._snapshots[self.version] = {k: v.detach().clone()
+                                         for k, v in self.model.state_dict().items()}
+        for v in [v for v in self._snapshots if v <= self.version - n]:
+            del self._snapshots[v]
+
+    def _drop(self, mask, keep, reason, metrics) -> torch.Tensor:
+        new = mask * keep
+        metrics[f"dropped_tokens/{reason}"] = float((mask - new).sum())
+        return new
+
+    @torch.no_grad()
+    def prepare(self, groups: list[Group]) -> tuple[Prepared, dict[str, float]]:
+        cfg, cc, m = self.cfg, self.cfg.correction, {}
+        samples = [s for g in groups for s in g.samples]
+        batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
+                                   [i for i, g in enumerate(groups) for _ in g.samples])
+        mask = batch.loss_mask
+        prox, _ = token_logprobs(self.model, batch)
+        ref = token_logprobs(self.ref_model, batch)[0] if self.ref_model else None
+        version_logp, known = self._version_logprobs(batch, prox)
+        self._keep_snapshot()
+        # advantages, with the KL penalty on the reward when asked
+        rewards = self.rewards(samples)
+        if ref is not None and cfg.kl_mode == "reward":
+            seq_kl = (self.kl_fn(prox, ref) * mask).sum(-1)
+            m["kl_ref"] = float((seq_kl.sum() / mask.sum().clamp_min(1)))
+            rewards = rewards - cfg.kl_coef * seq_kl
+        x = self.advantage_inputs(groups, rewards)
+        adv = compute_advantages(cfg.advantage, x, cfg.advantage_clip)
+        batch.advantages = adv.advantages
+        m.update({f"adv/{k}": v for k, v in adv.metrics.items()})
+        m["reward_mean"] = float(rewards.mean())
+        # which tokens stay, each drop counted by its reason
+        mask = self._drop(mask, adv.keep.float()[:, None], "pivot", m)
+        if cfg.overlong_filter:
+            mask = self._drop(mask, torch.tensor(overlong_keep(samples)).float()[:, None],
+                              "overlong", m)
+        mask = self._drop(mask, corr.staleness_keep(batch.versions, self.version, mask,
+                                                    cc.max_staleness), "stale", m)
+        anchor = prox
+        if cc.anchor == "version":
+            mask = self._drop(mask, known.float(), "no_snapshot", m)
+            anchor = torch.where(known, version_logp, prox) if version_logp is not None else prox
+        isw = corr.importance_weights(anchor - batch.behaviour_logprobs, mask, cc.mode,
+                                      cc.level, cc.low, cc.high)
+        mask = self._drop(mask, isw.keep, "mis", m)
+        stale = corr.staleness(batch.versions, self.version)
+        m.update({f"correction/{k}": v for k, v in isw.metrics.items()})
+        m.update({f"correction/{k}": v for k, v in corr.ratio_metrics(
+            prox, batch.behaviour_logprobs, version_logp, known, stale, mask).items()})
+        seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
+        live = mask.sum(-1) > 0
+        ess = corr.effective_sample_size(seq_log_w[live])
+        m["correction/ess"], m["correction/ess_frac"] = ess, ess / max(int(live.sum()), 1)
+        m["behaviour_gap_max"] = float(((prox - batch.behaviour_logprobs).abs()
+                                        * batch.loss_mask).max())
+        token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
+        resp_len = batch.loss_mask.sum(-1)
+        norm = cfg.norm_length or max(int(resp_len.max()), 1)
+        return Prepared(batch, anchor, isw.weights * mask, mask, token_adv, ref, seq_log_w,
+                        norm), m
+
+    # ----------------------------------------------------------------------- the update
 
     def update(self, groups: list[Group]) -> dict[str, float]:
         """One policy update on these groups; bumps the policy version."""
         self.model.train()
         metrics: dict[str, float] = {"train/samples": float(sum(len(g.samples) for g in groups))}
+        groups = [g for g in groups if g.samples]
         if not groups:
             self._step_schedule()
             return metrics
-        batch = self.make_batch(groups)
-        with torch.no_grad():
-            old_logp, _ = token_logprobs(self.model, batch)
-            ref_logp = token_logprobs(self.ref_model, batch)[0] if self.ref_model else None
-        mask = batch.loss_mask
-        metrics["train/behaviour_gap_max"] = float(
-            ((old_logp - batch.behaviour_logprobs).abs() * mask).max())
+        prep, m = self.prepare(groups)
+        metrics.update({f"train/{k}": v for k, v in m.items()})
+        batch = prep.batch
         gen = torch.Generator().manual_seed(self.seed * 100003 + self.version)
         sums: dict[str, float] = {}
         n_mb = 0
         for _ in range(self.cfg.epochs):
             order = torch.randperm(batch.size, generator=gen)
             for idx in order.chunk(min(self.cfg.minibatches, batch.size)):
-                mb = batch.select(idx)
-                m = self._minibatch_step(mb, old_logp[idx][:, :mb.loss_mask.shape[1]],
-                                         None if ref_logp is None else
-                                         ref_logp[idx][:, :mb.loss_mask.shape[1]])
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                mb_metrics = self._optimizer_step(prep, idx)
+                for k, v in mb_metrics.items():
+                    sums[k] = _combine(k, sums.get(k), v)
                 n_mb += 1
-        metrics.update({f"train/{k}": v / n_mb for k, v in sums.items()})
-        metrics["train/tokens"] = float(mask.sum())
+        metrics.update({f"train/{k}": (v if k.endswith(("_max", "_min")) else v / n_mb)
+                        for k, v in sums.items()})
+        metrics["train/tokens"] = float(prep.mask.sum())
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self._step_schedule()
         return metrics
 
-    def _minibatch_step(self, mb: Batch, old_logp, ref_logp) -> dict[str, float]:
-        logp, ent = token_logprobs(self.model, mb)
-        mask = mb.loss_mask
-        token_loss, m = self.loss_fn(logp, old_logp, mb.advantages, mask,
-                                     clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high)
-        if ref_logp is not None:
-            kl = kl_k3(logp, ref_logp)
-            token_loss = token_loss + self.cfg.kl_coef * kl
-            m["kl_ref"] = masked_mean(kl.detach(), mask).item()
-        loss = aggregate(token_loss, mask)
+    def _optimizer_step(self, prep: Prepared, idx: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on rows idx, accumulating gradients over micro-batches. The
+        aggregation divides by the whole minibatch's token and sequence counts, so the
+        accumulated gradient equals the one of a single pass over the minibatch."""
+        mask = prep.mask[idx]
+        num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+        if num_tokens == 0:  # everything was dropped: no step (Adam would still move)
+            return {"skipped_frac": 1.0}
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        size = self.cfg.micro_batch_size or len(idx)
+        acc: dict[str, float] = {}
+        total = 0.0
+        for micro in idx.split(size):
+            n = float(prep.mask[micro].sum())
+            if n == 0:
+                continue
+            loss, m = self._micro_loss(prep, micro, num_tokens, num_seqs)
+            loss.backward()
+            total += loss.item()  # micro-batch losses sum to the minibatch loss
+            for k, v in m.items():  # token-weighted means; maxima and minima as such
+                acc[k] = _combine(k, acc.get(k), v if k.endswith(("_max", "_min")) else v * n)
+        out = {k: (v if k.endswith(("_max", "_min")) else v / float(num_tokens))
+               for k, v in acc.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if not math.isfinite(float(grad_norm)):
             raise FloatingPointError("non-finite gradient norm; lower train.lr")
+        scale = self._lr_scale(prep.seq_log_w[idx], mask)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= scale
         self.optimizer.step()
-        m.update(loss=loss.item(), grad_norm=float(grad_norm),
-                 entropy=masked_mean(ent, mask).item())
-        return m
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)
+        return out
+
+    def _lr_scale(self, seq_log_w: torch.Tensor, mask: torch.Tensor) -> float:
+        if not self.cfg.correction.vcpo_lr:
+            return 1.0
+        live = mask.sum(-1) > 0
+        ess = corr.effective_sample_size(seq_log_w[live])
+        return corr.vcpo_lr_scale(ess / max(int(live.sum()), 1), self.cfg.correction.vcpo_rho0)
+
+    def _micro_loss(self, prep: Prepared, micro, num_tokens, num_seqs):
+        cfg = self.cfg
+        mb = prep.batch.select(micro)
+        c = prep.rows(micro, mb.loss_mask.shape[1])
+        mask = c["mask"]
+        logp, ent = token_logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
+        token_loss, m = self.loss_fn(logp, c["anchor"], c["adv"], mask, self.loss_params)
+        token_loss = token_loss * c["weights"]
+        if cfg.entropy_coef > 0:
+            token_loss = token_loss - cfg.entropy_coef * ent
+        if c["ref"] is not None and cfg.kl_mode == "loss":
+            kl = self.kl_fn(logp, c["ref"])
+            token_loss = token_loss + cfg.kl_coef * kl
+            m["kl_ref"] = masked_mean(kl.detach(), mask).item()
+        loss = aggregate(token_loss, mask, cfg.loss_agg, num_tokens=num_tokens,
+                         num_seqs=num_seqs, norm_length=prep.norm_length)
+        m["entropy"] = masked_mean(ent.detach(), mask).item()
+        return loss, m
 
     def _step_schedule(self) -> None:
         self.scheduler.step()
@@ -113,3 +300,13 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def _combine(key: str, old: float | None, new: float) -> float:
+    if old is None:
+        return new
+    if key.endswith("_max"):
+        return max(old, new)
+    if key.endswith("_min"):
+        return min(old, new)
+    return old + new

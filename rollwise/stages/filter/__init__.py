@@ -63,3 +63,28 @@ def make_scorer(name: str, task: Task) -> Scorer:
         reward, info = out if isinstance(out, tuple) else (out, "")
         return float(reward), str(info)
     return score
+
+
+class FilterStage:
+    """Scores whole groups of samples in place (minimal in-process version; see issue 5)."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+
+    def score(self, samples, problems: list[Problem], texts: list[str]) -> dict[str, float]:
+        from rollwise.types import Status
+        failed: dict[str, float] = {}
+        for s, p, text in zip(samples, problems, texts):
+            try:
+                reward, info = self.scorer(text, p)
+            except Exception as e:  # one bad sample never stops the run
+                s.status, reward, info = Status.FAILED, 0.0, f"{type(e).__name__}: {e}"
+                key = f"filter/failed/{type(e).__name__}"
+                failed[key] = failed.get(key, 0.0) + 1
+            s.rewards = {"reward": float(reward)}
+            s.reward, s.reward_info = float(reward), info
+        return failed
+
+
+def build_filter(cfg, task: Task) -> FilterStage:
+    return FilterStage(make_scorer(cfg.reward, task))

@@ -1,0 +1,1 @@
+"""Benchmarks: `rollwise bench NAME`; each module has main(argv) -> int."""

@@ -1,0 +1,145 @@
+"""rollwise command line.
+
+    rollwise train [--config FILE] [section.key=value ...]
+    rollwise sft | eval | generate | config show | bench NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from rollwise.config import Config, ConfigError, dump_config, load_config
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (default: built-in defaults, "
+                                    "the same as configs/default.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override config values, e.g. train.lr=1e-4 run.name=try1")
+
+
+def _load(args) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def cmd_train(args) -> int:
+    from rollwise.loop.sync import train
+    train(_load(args))
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from rollwise import models
+    from rollwise.tasks import load_task
+    from rollwise.train.sft import train_sft
+    cfg = _load(args)
+    task = load_task(cfg.task)
+    model, tok = models.build(cfg.model, seed=cfg.run.seed)
+    train_sft(model, tok, task, cfg)
+    out = Path(args.out or Path(cfg.run.root) / f"{cfg.run.name}-sft")
+    models.save(model, tok, out)
+    print(f"saved the warm-start model to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rollwise import models
+    from rollwise.engine import Engine
+    from rollwise.evaluate import evaluate
+    from rollwise.stages.filter import make_scorer
+    from rollwise.tasks import load_task
+    cfg = _load(args)
+    model_dir = Path(args.model)
+    run_cfg = model_dir.parent / "config.yaml"
+    if args.config is None and run_cfg.exists():  # evaluate a run's model on the run's task
+        cfg = load_config(run_cfg, args.overrides)
+    model, tok = models.load_model(model_dir, cfg.model.dtype)
+    task = load_task(cfg.task)
+    scorer = make_scorer("math_verify" if cfg.filter.reward == "math_verify" else "exact", task)
+    metrics = evaluate(Engine(model, pad_id=tok.pad_token_id, copy_model=False), tok,
+                       task.eval, scorer, cfg.generate.max_new_tokens)
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from rollwise import models
+    from rollwise.engine import Engine, Request, SamplingParams
+    model, tok = models.load_model(args.model)
+    engine = Engine(model, pad_id=tok.pad_token_id, copy_model=False, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                            stop_ids=(tok.eos_token_id,))
+    ids = tok(args.prompt)["input_ids"]
+    for c in engine.generate([Request(ids, params, i) for i in range(args.n)]):
+        text = tok.decode(c.token_ids, skip_special_tokens=True)
+        print(f"{text!r}  logprob {sum(c.logprobs):.3f}  ({c.finish_reason})")
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.action != "show":
+        raise ConfigError(f"unknown config action {args.action!r}; use 'rollwise config show'")
+    print(dump_config(_load(args)), end="")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    try:
+        module = importlib.import_module(f"rollwise.bench.{args.name}")
+    except ModuleNotFoundError:
+        raise ConfigError(f"unknown benchmark {args.name!r}") from None
+    return module.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollwise", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="RL training (warm start first when no model is given)")
+    _config_args(p)
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("sft", help="supervised warm start on the task's worked solutions")
+    _config_args(p)
+    p.add_argument("--out", help="output model folder (default runs/<name>-sft)")
+    p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("eval", help="held-out greedy pass@1 of a model folder")
+    p.add_argument("--model", required=True, help="model folder, e.g. runs/default/model")
+    _config_args(p)
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("generate", help="sample responses to a prompt")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("-n", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("config", help="'config show' prints the resolved config")
+    p.add_argument("action", choices=["show"])
+    _config_args(p)
+    p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("bench", help="benchmarks: rollwise bench NAME --help")
+    p.add_argument("name")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"rollwise: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rollwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+import json
+import random
+
+import pytest
+
+from rollwise.config import TaskConfig
+from rollwise.tasks import load_task
+from rollwise.tasks.arith import noisy_answer
+
+
+def test_arith_answers_are_correct_and_eval_is_held_out():
+    task = load_task(TaskConfig(train_size=3000, eval_size=200))
+    for p in task.train[:500] + task.eval:
+        assert int(p.answer) == eval(p.prompt.strip().rstrip("="))  # the prompt is arithmetic
+        assert task.extract_answer(p.solution) == p.answer  # solutions are reversed answers
+    assert not {p.prompt for p in task.train} & {p.prompt for p in task.eval}
+    tiers = {p.tier for p in task.eval}
+    assert tiers == {"add2", "sub2", "add3", "chain"}
+    assert len({len(p.prompt) for p in task.train}) == 1  # right-aligned to a fixed width
+
+
+def test_arith_is_deterministic_by_seed():
+    a, b = (load_task(TaskConfig(train_size=100, eval_size=40)) for _ in range(2))
+    c = load_task(TaskConfig(train_size=100, eval_size=40, seed=7))
+    assert [p.prompt for p in a.train] == [p.prompt for p in b.train]
+    assert [p.prompt for p in a.train] != [p.prompt for p in c.train]
+
+
+def test_noisy_answer_moves_only_the_top_digit_by_one():
+    rng = random.Random(0)
+    for value in [5, 10, 99, 123, -47, 905]:
+        for _ in range(20):
+            noisy = noisy_answer(value, rng)
+            s, n = str(abs(value)), noisy.lstrip("-")
+            assert len(n) == len(s) and n[1:] == s[1:] and abs(int(n[0]) - int(s[0])) == 1
+            assert noisy.startswith("-") == (value < 0)
+
+
+def test_unknown_tier_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown tier.*choose from"):
+        load_task(TaskConfig(tiers={"add9": 1.0}))
+
+
+def test_file_task_reports_malformed_rows_with_line_numbers(tmp_path, caplog):
+    path = tmp_path / "data.jsonl"
+    rows = [json.dumps({"prompt": f"q{i}", "answer": i}) for i in range(20)]
+    rows[3] = "{not json"
+    rows[7] = json.dumps({"prompt": "no answer here"})
+    rows[11] = json.dumps([1, 2])
+    path.write_text("\n".join(rows) + "\n")
+    task = load_task(TaskConfig(name="file", path=str(path), eval_size=4))
+    assert task.skipped == 3
+    joined = "\n".join(task.errors)
+    assert f"{path}:4: not valid JSON" in joined
+    assert f"{path}:8: missing field(s) ['answer']" in joined
+    assert f"{path}:12: not a JSON object" in joined
+    assert len(task.train) + len(task.eval) == 17 and len(task.eval) == 3
+    assert "skipped row" in caplog.text
+
+
+def test_file_task_custom_columns_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"q": f"{i}+1=", "a": str(i + 1)} for i in range(10)]),
+                   path)
+    task = load_task(TaskConfig(name="file", path=str(path), prompt_field="q",
+                                answer_field="a", eval_size=2))
+    assert [p.answer for p in task.eval] == ["9", "10"] and task.skipped == 0
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_task(TaskConfig(name="file", path=str(path), eval_size=2, prompt_field="x"))
+
+
+def test_reasoning_gym_adapter_scores_with_the_dataset():
+    task = load_task(TaskConfig(name="gym:basic_arithmetic", train_size=4, eval_size=2))
+    p = task.train[0]
+    assert task.score_fn(p.answer, p) == 1.0 and task.score_fn("nonsense", p) == 0.0
