@@ -2,6 +2,7 @@
 
     rollwise train [--config FILE] [section.key=value ...]
     rollwise sft | eval | generate | config show | bench NAME
+    rollwise report RUN [RUN ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -87,6 +88,16 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from rollwise.report.report import write_report
+    try:
+        out = write_report(args.runs, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     try:
         module = importlib.import_module(f"rollwise.bench.{args.name}")
@@ -122,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show"])
     _config_args(p)
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("report", help="report.html with plots of one run, or several overlaid")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories, e.g. runs/default")
+    p.add_argument("--out", help="output file (default: RUN/report.html for one run, "
+                                 "<common parent>/report-compare.html for several)")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("bench", help="benchmarks: rollwise bench NAME --help")
     p.add_argument("name")
     p.add_argument("rest", nargs=argparse.REMAINDER)

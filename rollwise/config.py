@@ -64,16 +64,66 @@ class GenerateConfig(Section):
     max_new_tokens: int = Field(8, gt=0)
 
 
+class SandboxConfig(Section):
+    """Limits for model-written code (filter.reward=code); see docs/filter.md."""
+    timeout_s: float = Field(2.0, gt=0)
+    """Wall clock per test run; then the program's whole process group is killed."""
+    cpu_s: int = Field(2, gt=0)
+    memory_mb: int = Field(512, gt=0)
+    max_processes: int = Field(4, gt=0)
+    max_output_kb: int = Field(256, gt=0)
+    guard: bool = True
+    """The in-interpreter audit-hook guard on top of the kernel limits."""
+
+
+class JudgeConfig(Section):
+    model: str | None = None
+    """Hugging Face folder of the judge model; None uses the engine the loop attaches."""
+    rubric: str | None = None
+    """Prompt template with {prompt} {answer} {response} {flawed}; None: the built-in one."""
+    fapo: bool = False
+    """FAPO's three-way verdict: correct +1, correct but flawed 0, wrong -1."""
+    max_new_tokens: int = Field(64, gt=0)
+
+
 class FilterConfig(Section):
-    reward: str = "exact"
-    """'exact', 'math_verify', or a user function 'package.module:function(sample)->float'."""
+    reward: str | dict[str, float] = "exact"
+    """A verifier, or {verifier: weight} for a weighted composite (channels stay separate in
+    sample.rewards). Verifiers: exact, math (math-verify), gym (reasoning-gym), code,
+    format, length, judge, majority (test-time RL, no labels), or 'package.module:function'."""
+    workers: int = Field(2, ge=0)
+    """Processes for isolated verifiers (math, gym, code, user functions); 0: in-process."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-sample limit in the worker processes; an overrun fails that sample."""
+    extract: list[str] = []
+    """Answer extraction order from task, boxed, answer_is, last_number, last_line;
+    [] uses the task's own extractor."""
+    format_pattern: str | None = None
+    """format channel: the stripped response must fullmatch this regex (None: any answer)."""
+    length_max: int = Field(8, gt=0)
+    length_buffer: int = Field(2, ge=0)
+    """length channel: DAPO overlong penalty from length_max - length_buffer tokens."""
+    code_reward: Literal["all", "fraction"] = "all"
+    sandbox: SandboxConfig = SandboxConfig()
+    judge: JudgeConfig = JudgeConfig()
     drop_equal_reward_groups: bool = True
     """Drop groups whose rewards are all equal: their GRPO advantages are zero."""
 
 
 class ControlConfig(Section):
-    selector: Literal["uniform"] = "uniform"
+    selector: Literal["uniform", "thompson", "dps"] = "uniform"
+    """uniform; thompson (MoPPS Beta-Bernoulli); dps (Dynamics-Predictive Sampling)."""
     prompts_per_step: int = Field(64, gt=0)
+    candidate_ratio: float = Field(4.0, ge=1)
+    """DPS: candidate pool size as a multiple of prompts_per_step."""
+    decay: float = Field(1.0, ge=0, le=1)
+    """DPS / Thompson: per-update decay of the per-prompt counts toward their prior."""
+    target_success: float = Field(0.5, gt=0, lt=1)
+    """Thompson: pick prompts whose sampled success rate is closest to this."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: refill until prompts_per_step groups have mixed rewards."""
+    max_rounds: int = Field(8, ge=1)
+    """Dynamic sampling: most generation rounds per step."""
 
 
 class ReplayConfig(Section):
@@ -184,7 +234,23 @@ class SFTConfig(Section):
 
 
 class SyncConfig(Section):
-    mode: Literal["full"] = "full"
+    mode: Literal["full", "sparse"] = "full"
+    """'full' ships every tensor; 'sparse' ships only the elements whose stored value changed
+    since the engine's version (SparseRL-Sync), exactly. See rollwise/sync/."""
+    transport: Literal["inproc", "process"] = "inproc"
+    """'inproc': the engine lives in the trainer's process; 'process': in a child process on
+    this machine, fed through shared memory."""
+    engine_dtype: Literal["same", "float32", "bfloat16", "float16"] = "same"
+    """The engine's weight dtype; 'same' keeps the trainer's. bfloat16 with float32 trainer
+    weights is the usual GPU setup (fp32 master weights, bf16 inference weights)."""
+    checksum: bool = True
+    """Each payload carries a CRC-32 per tensor of the result; the engine verifies it (one pass
+    over its weights) and refuses to go on when it differs."""
+    check: bool = False
+    """Also compare the engine's weights with the trainer's bit for bit after every sync
+    (debugging; reads every weight back from the engine)."""
+    bucket_mb: float = Field(512, gt=0)
+    """Largest payload bucket (one collective per bucket on a GPU transport)."""
 
 
 class RunConfig(Section):
@@ -197,6 +263,16 @@ class RunConfig(Section):
     """Start RL from this model folder instead of the (cached) warm start."""
     threads: int = Field(0, ge=0)
     """torch CPU threads; 0 keeps torch's default."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to <run>/tensorboard when tensorboard is installed."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)."""
+    wandb_project: str = "rollwise"
+    sinks: list[str] = []
+    """Extra metric sinks by import path, 'package.module:factory'; factory(run_dir, cfg)
+    returns an object with write(step, metrics) and close() (rollwise.report.sinks)."""
+    report: bool = True
+    """Write <run>/report.html (plots of the run) at the end of the run."""
 
 
 class Config(Section):

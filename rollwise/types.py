@@ -85,6 +85,7 @@ class Group:
 
     prompt_id: str
     samples: list[Sample]
+    problem: Any = None  # the task's Problem (prompt text, answer) the samples answer
 
     @property
     def rewards(self) -> list[float]:
@@ -112,6 +113,7 @@ class Batch:
     versions: torch.Tensor  # (B, T-1) long, -1 outside the response
     advantages: torch.Tensor  # (B,) float, one per sample (broadcast over its tokens)
     group_index: torch.Tensor  # (B,) long
+    entropies: torch.Tensor | None = None  # (B, T-1) engine entropy per response target
 
     @property
     def size(self) -> int:
@@ -127,6 +129,7 @@ class Batch:
         loss_mask = torch.zeros((B, T - 1))
         behaviour = torch.zeros((B, T - 1))
         versions = torch.full((B, T - 1), -1, dtype=torch.long)
+        entropies = torch.zeros((B, T - 1))  # for per-token advantage shaping (ECHO)
         for i, s in enumerate(samples):
             p, n = len(s.prompt_ids), len(s.response_ids)
             input_ids[i, :p + n] = torch.tensor(s.prompt_ids + s.response_ids)
@@ -135,13 +138,16 @@ class Batch:
             loss_mask[i, p - 1:p - 1 + n] = torch.tensor(s.loss_mask, dtype=torch.float)
             behaviour[i, p - 1:p - 1 + n] = torch.tensor(s.logprobs, dtype=torch.float)
             versions[i, p - 1:p - 1 + n] = torch.tensor(s.versions, dtype=torch.long)
+            if len(s.entropies) == n:
+                entropies[i, p - 1:p - 1 + n] = torch.tensor(s.entropies, dtype=torch.float)
         gi = torch.tensor(group_index if group_index is not None else list(range(B)))
         return cls(input_ids, attention, loss_mask, behaviour, versions,
-                   torch.tensor(advantages, dtype=torch.float), gi)
+                   torch.tensor(advantages, dtype=torch.float), gi, entropies)
 
     def select(self, idx: torch.Tensor) -> "Batch":
         """Rows idx, trimmed to the longest remaining sequence."""
         T = int(self.attention_mask[idx].sum(1).max())
         return Batch(self.input_ids[idx, :T], self.attention_mask[idx, :T],
                      self.loss_mask[idx, :T - 1], self.behaviour_logprobs[idx, :T - 1],
-                     self.versions[idx, :T - 1], self.advantages[idx], self.group_index[idx])
+                     self.versions[idx, :T - 1], self.advantages[idx], self.group_index[idx],
+                     None if self.entropies is None else self.entropies[idx, :T - 1])

@@ -1,125 +1,288 @@
-"""The built-in engine: batched generation with a KV cache for any Hugging Face causal LM.
+"""The built-in engine: continuous batching for any Hugging Face causal LM, token in, token out.
 
-Requests are (prompt ids, sampling params); a completion carries the new token ids, the
-behaviour log-probability of each (under the distribution actually sampled from), its entropy
-and the policy version that produced it. Weights arrive through `load_weights`, which stamps a
-new version on every token generated after it.
+    engine = Engine(model, pad_id=tok.pad_token_id, max_batch=64)
+    completions = engine.generate([Request(ids, SamplingParams(max_new_tokens=32), i) ...])
+
+or, step by step (what trees, partial rollouts and pruning use):
+
+    sid = engine.add(Request(ids, params))
+    for event in engine.stream():          # every `segment` tokens and at each end
+        if should_branch(event): engine.fork(event.seq_id, 2)
+        if should_stop(event): engine.pause(event.seq_id)   # later: engine.resume(sid)
+
+Every token carries its behaviour log-probability (under the distribution actually sampled from,
+after temperature, top-k and top-p), that distribution's entropy, and the policy version of the
+weights that produced it. `load_weights` writes new weights (full tensors or sparse
+(indices, values) updates) into the model in place; tokens sampled after it carry the new version.
+Sequences already running keep the K/V computed under older weights, as in vLLM; pause and resume
+a sequence to recompute them.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
-from transformers import DynamicCache
 
+from rollwise.engine.runner import Runner
 from rollwise.engine.sampling import SamplingParams, SeedStream, draw, entropy, sampling_logprobs
+from rollwise.engine.scheduler import (Event, Scheduler, Sequence, SeqStatus, StepOutput)
 
 
 @dataclass
 class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    id: int = -1
+    id: Any = -1  # the caller's tag, returned in events and completions
 
 
 @dataclass
 class Completion:
-    request_id: int
+    request_id: Any
     token_ids: list[int]
     logprobs: list[float]
     entropies: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" (a stop id, included in token_ids) or "length"
+    finish_reason: str  # "stop" (the stop id ends token_ids), "length", "abort" or "paused"
+    seq_id: int = -1
+    parent: int | None = None  # the seq_id this was forked from
+    branch_point: int = 0  # token_ids[:branch_point] were inherited from the parent
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    hidden: torch.Tensor | None = None  # last hidden state of the last token
+
+
+class SparseUpdate(NamedTuple):
+    """New values at flat indices of one tensor (SparseRL-Sync): replaced, never added."""
+
+    indices: torch.Tensor  # (nnz,) int
+    values: torch.Tensor  # (nnz,)
+
+
+def completion_of(seq: Sequence) -> Completion:
+    return Completion(seq.request_id, list(seq.tokens), list(seq.logprobs), list(seq.entropies),
+                      list(seq.versions), seq.finish_reason or "length", seq.seq_id, seq.parent,
+                      seq.branch_point, list(seq.top_logprobs) if seq.top_logprobs else None,
+                      seq.hidden)
 
 
 class Engine:
+    """Continuous batching over `max_batch` KV slots; see the module docstring."""
+
     def __init__(self, model, *, pad_id: int, max_batch: int = 1024, seed: int = 0,
-                 version: int = 0, copy_model: bool = True):
-        self.model = copy.deepcopy(model) if copy_model else model
-        self.model.eval().requires_grad_(False)
-        self.pad_id = pad_id
+                 version: int = 0, copy_model: bool = True, segment: int = 16,
+                 kv_budget_tokens: int | None = None, max_prefill_tokens: int = 8192):
+        if copy_model:
+            model = copy.deepcopy(model)
+            model.eval().requires_grad_(False)
+        self.runner = Runner(model)
+        self.pad_id = pad_id  # kept for callers; the flat layout never pads
         self.max_batch = max_batch
         self.version = version
-        self._seeds = random.Random(seed)
         self.tokens_generated = 0
+        self.scheduler = Scheduler(max_batch, kv_budget_tokens=kv_budget_tokens,
+                                   max_prefill_tokens=max_prefill_tokens, segment=segment)
+        self._seeds = random.Random(seed)
+        self._next_id = 0
+        self._vocab = model.get_input_embeddings().num_embeddings
+        self._last_logp: torch.Tensor | None = None  # the latest step's sampled distributions
+        self._last_row: dict[int, int] = {}  # seq_id -> its row in _last_logp
+        self._ready: list[Event] = []  # events of forks that ended at birth
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy new weights in place; tokens generated after this carry `version`."""
-        own = self.model.state_dict()  # tied weights appear under each name; copy_ is idempotent
-        unknown = [k for k in state_dict if k not in own]
-        if unknown:
-            raise KeyError(f"load_weights: tensors not in the engine's model: {unknown[:5]}")
-        with torch.no_grad():
-            for name, value in state_dict.items():
-                own[name].copy_(value)
-        self.version = version
+    @property
+    def model(self):
+        """The live model: its parameters are the weights generation uses."""
+        return self.runner.model
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add(self, request: Request) -> int:
+        """Queue a request; returns its seq_id for events, fork, abort, pause and resume."""
+        ids = list(request.prompt_ids)
+        if not ids:
+            raise ValueError(f"request {request.id!r} has an empty prompt; give at least one "
+                             f"token")
+        if min(ids) < 0 or max(ids) >= self._vocab:
+            raise ValueError(f"request {request.id!r}: prompt token ids must lie in "
+                             f"[0, {self._vocab}) (the model's vocabulary)")
+        seq = Sequence(self._new_id(), request.id, ids, request.params,
+                       rng=self._stream(request.params.seed))
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _stream(self, seed: int | None) -> SeedStream:
+        return SeedStream(seed if seed is not None else self._seeds.getrandbits(63))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._ready)
+
+    def step(self) -> list[Event]:
+        """One forward pass: every running sequence gets a token, waiting ones are admitted."""
+        events, self._ready = self._ready, []
+        plan = self.scheduler.schedule()
+        if not plan.sequences:
+            self.runner.cache.resize(plan.cache_rows, plan.cache_len)
+            return events
+        seqs = plan.sequences
+        want_hidden = any(s.params.return_hidden for s in seqs)
+        logits, hidden = self.runner.forward(plan, want_hidden)
+        out = self._sample(seqs, logits, hidden)
+        self.tokens_generated += len(seqs)
+        return events + self.scheduler.update(plan, out)
+
+    def stream(self) -> Iterator[Event]:
+        """Step until nothing is waiting or running, yielding events as they come."""
+        while self.has_unfinished():
+            yield from self.step()
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        out: list[Completion] = []
-        for start in range(0, len(requests), self.max_batch):
-            out += self._generate_batch(requests[start:start + self.max_batch])
-        return out
+        """Run `requests` to the end; completions in request order (a blocking convenience)."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine, but sequences added with add() "
+                               "are in flight; drive those with step()/stream()")
+        seqs = []
+        try:
+            for r in requests:
+                seqs.append(self.scheduler.get(self.add(r)))
+        except Exception:
+            for s in seqs:
+                self.scheduler.abort(s.seq_id)
+            raise
+        for _ in self.stream():
+            pass
+        return [completion_of(s) for s in seqs]
 
-    @torch.inference_mode()
-    def _generate_batch(self, requests: list[Request]) -> list[Completion]:
-        B = len(requests)
-        if B == 0:
-            return []
-        device = next(self.model.parameters()).device
-        lengths = [len(r.prompt_ids) for r in requests]
-        if min(lengths) == 0:
-            raise ValueError("a request has an empty prompt; give at least one token")
-        P = max(lengths)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for i, r in enumerate(requests):  # left padding keeps every row's last token at -1
-            ids[i, P - lengths[i]:] = torch.tensor(r.prompt_ids)
-            mask[i, P - lengths[i]:] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        params = [r.params for r in requests]
+    # ---- sampling -------------------------------------------------------------------------------
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
+                hidden: torch.Tensor | None) -> StepOutput:
+        device = logits.device
+        params = [s.params for s in seqs]
         temp = torch.tensor([p.temperature for p in params], device=device)
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
-        greedy = temp == 0
-        streams = [SeedStream(p.seed if p.seed is not None else self._seeds.getrandbits(63))
-                   for p in params]
-        stops = [set(p.stop_ids) for p in params]
-        budget = [p.max_new_tokens for p in params]
-        results = [Completion(r.id, [], [], [], [], "length") for r in requests]
-        alive = list(range(B))
+        logp = sampling_logprobs(logits, temp, top_k, top_p)  # (n, vocab)
+        u = torch.tensor([s.rng.next() for s in seqs], device=device, dtype=torch.float64)
+        tokens = draw(logp, u, temp == 0)
+        tok_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        self._last_logp = logp
+        self._last_row = {s.seq_id: i for i, s in enumerate(seqs)}
+        top = None
+        k = max(p.top_logprobs for p in params)
+        if k:
+            vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            vals, idx = vals.tolist(), idx.tolist()
+            top = [list(zip(idx[i][:p.top_logprobs], vals[i][:p.top_logprobs]))
+                   for i, p in enumerate(params)]
+        rows = None
+        if hidden is not None:
+            rows = [hidden[i].float().cpu() if p.return_hidden else None
+                    for i, p in enumerate(params)]
+        return StepOutput(tokens.tolist(), tok_logp.tolist(), entropy(logp).tolist(),
+                          self.version, top, rows)
 
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1]
-        next_pos = positions[:, -1:] + 1
-        for _ in range(max(budget)):
-            logp = sampling_logprobs(logits, temp, top_k, top_p)
-            u = torch.tensor([s.next() for s in streams], device=device)
-            tokens = draw(logp, u, greedy)
-            tok_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
-            t_list, lp_list, e_list = tokens.tolist(), tok_logp.tolist(), entropy(logp).tolist()
-            still = []
-            for i in alive:
-                res = results[i]
-                res.token_ids.append(t_list[i])
-                res.logprobs.append(lp_list[i])
-                res.entropies.append(e_list[i])
-                res.versions.append(self.version)
-                if t_list[i] in stops[i]:
-                    res.finish_reason = "stop"
-                elif len(res.token_ids) < budget[i]:
-                    still.append(i)
-            alive = still
-            if not alive:
-                break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
-            logits = self.model(input_ids=tokens[:, None], attention_mask=mask,
-                                position_ids=next_pos, past_key_values=cache,
-                                use_cache=True).logits[:, -1]
-            next_pos = next_pos + 1
-        self.tokens_generated += sum(len(r.token_ids) for r in results)
-        return results
+    # ---- control between steps --------------------------------------------------------------
+    def fork(self, seq_id: int, n: int, *, seeds: list[int] | None = None,
+             params: SamplingParams | None = None,
+             last_tokens: list[int] | None = None) -> list[int]:
+        """n children continuing from the sequence's current state; returns their seq_ids.
+
+        Children share the parent's prefix: its K/V rows are copied, with no re-prefill, when
+        slots are free (else they wait first in the queue and re-prefill). Each child draws from
+        its own stream (`seeds`), so a child with seed s continues exactly as a fresh request
+        with prompt + the parent's tokens and seed s would. `last_tokens` replaces the parent's
+        latest token in each child (branch on an alternative, as LATR and ECHO do); its
+        log-probability is read from the same distribution the parent's token came from.
+        """
+        parent = self.scheduler.get(seq_id)
+        if parent.status not in (SeqStatus.RUNNING, SeqStatus.WAITING):
+            raise ValueError(f"sequence {seq_id} is {parent.status.value}; fork a waiting or "
+                             f"running one (resume a paused one first)")
+        for name, given in (("seeds", seeds), ("last_tokens", last_tokens)):
+            if given is not None and len(given) != n:
+                raise ValueError(f"fork(n={n}) got {len(given)} {name}; give one per child")
+        children = [self._child(parent, i, seeds, params, last_tokens) for i in range(n)]
+        ended = [c for c in children if c.done_reason() is not None]
+        live = [c for c in children if c.done_reason() is None]
+        for c in ended:  # branched onto a stop token or the length limit: done at birth
+            c.status, c.finish_reason = SeqStatus.FINISHED, c.done_reason()
+            self._ready.append(self.scheduler.event(c))
+        if live:
+            self.scheduler.fork(parent, live)
+        return [c.seq_id for c in children]
+
+    def _child(self, parent: Sequence, i: int, seeds, params, last_tokens) -> Sequence:
+        n = len(parent.tokens)
+        child = Sequence(self._new_id(), parent.request_id, list(parent.prompt),
+                         params or parent.params,
+                         rng=self._stream(seeds[i] if seeds is not None else None),
+                         tokens=list(parent.tokens), logprobs=list(parent.logprobs),
+                         entropies=list(parent.entropies), versions=list(parent.versions),
+                         top_logprobs=list(parent.top_logprobs), hidden=parent.hidden,
+                         parent=parent.seq_id, branch_point=n, emitted=n)
+        if last_tokens is not None:
+            row = self._last_row.get(parent.seq_id)
+            if not n or row is None:
+                raise ValueError(f"fork(last_tokens=...) of sequence {parent.seq_id}: it has "
+                                 f"sampled no token in the latest step; fork it right after "
+                                 f"one of its events")
+            tok = int(last_tokens[i])
+            child.tokens[-1] = tok
+            child.logprobs[-1] = self._last_logp[row, tok].item()  # type: ignore[index]
+            child.branch_point = child.emitted = n - 1
+        return child
+
+    def abort(self, seq_id: int) -> Completion:
+        """Stop a sequence and free its slot; returns what it had (finish_reason "abort")."""
+        return completion_of(self.scheduler.abort(seq_id))
+
+    def pause(self, seq_id: int) -> Completion:
+        """Stop a sequence and free its slot and memory, keeping it for `resume`; returns the
+        partial completion (finish_reason "paused")."""
+        return completion_of(self.scheduler.pause(seq_id))
+
+    def resume(self, seq_id: int) -> None:
+        """Queue a paused sequence (ahead of new requests): it re-prefills prompt + partial
+        response under the current weights and continues its own random stream."""
+        self.scheduler.resume(seq_id)
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load_weights(self, weights: Mapping[str, torch.Tensor | SparseUpdate | tuple],
+                     version: int) -> None:
+        """Write new weights in place: a tensor replaces the named tensor, a SparseUpdate (or an
+        (indices, values) pair) replaces the values at those flat indices. Names not given keep
+        their values. Tokens sampled after this carry `version`."""
+        own = self.model.state_dict()  # tied weights appear under each name; writes are shared
+        unknown = [k for k in weights if k not in own]
+        if unknown:
+            raise KeyError(f"load_weights: tensors not in the engine's model: {unknown[:5]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                target = own[name]
+                if isinstance(value, torch.Tensor):
+                    if value.shape != target.shape:
+                        raise ValueError(f"load_weights: {name} has shape {tuple(value.shape)}, "
+                                         f"the model's is {tuple(target.shape)}")
+                    target.copy_(value)
+                else:
+                    _scatter(name, target, *value)
+        self.version = version
+
+
+def _scatter(name: str, target: torch.Tensor, indices: torch.Tensor,
+             values: torch.Tensor) -> None:
+    if indices.shape != values.shape or indices.dim() != 1:
+        raise ValueError(f"load_weights: sparse update of {name} needs 1-D indices and values "
+                         f"of one length, got {tuple(indices.shape)} and {tuple(values.shape)}")
+    if not target.is_contiguous():
+        raise ValueError(f"load_weights: {name} is not contiguous; send it whole")
+    if len(indices) and int(indices.max()) >= target.numel():
+        raise ValueError(f"load_weights: sparse update of {name} has index {int(indices.max())}"
+                         f" past its {target.numel()} elements")
+    target.view(-1)[indices.to(target.device, torch.long)] = values.to(target.device,
+                                                                      target.dtype)

@@ -19,15 +19,20 @@ import torch
 
 from rollwise import models
 from rollwise.config import Config, dump_config
-from rollwise.engine import Engine, Request, SamplingParams
+from rollwise.engine import Engine
 from rollwise.evaluate import evaluate
 from rollwise.report.progress import Progress
+from rollwise.report.sinks import build_sinks
+from rollwise.stages.control import build_selector
 from rollwise.stages.filter import build_filter, make_scorer
+from rollwise.stages.generate.group import GroupGenerator
+from rollwise.stages.ledger import Ledger
 from rollwise.store.rollouts import RolloutStore
-from rollwise.tasks import Problem, load_task
+from rollwise.tasks import load_task
 from rollwise.train.sft import warm_start
+from rollwise.train.group_filters import Decision, judge_group
 from rollwise.train.trainer import Trainer
-from rollwise.types import Group, Sample, Status
+from rollwise.types import Group, Status
 
 
 def seed_everything(seed: int) -> None:
@@ -43,30 +48,6 @@ def initial_model(cfg: Config, task, progress: Progress):
         progress.log(f"initial model: {cfg.model.path}")
         return models.load_model(cfg.model.path, cfg.model.dtype)
     return warm_start(cfg, task, log=progress.log)
-
-
-def make_requests(problems: list[Problem], tokenizer, cfg: Config) -> list[Request]:
-    g = cfg.generate
-    params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                            max_new_tokens=g.max_new_tokens, stop_ids=(tokenizer.eos_token_id,))
-    requests = []
-    for i, p in enumerate(problems):
-        ids = tokenizer(p.prompt)["input_ids"]
-        requests += [Request(ids, params, i * g.group_size + j) for j in range(g.group_size)]
-    return requests
-
-
-def to_samples(problems, requests, completions, step: int, group_size: int) -> list[Sample]:
-    samples = []
-    for req, c in zip(requests, completions):
-        p = problems[req.id // group_size]
-        s = Sample(prompt_id=p.id, prompt_ids=list(req.prompt_ids), group_id=f"{step}:{p.id}",
-                   step=step, meta={"tier": p.tier, "answer": p.answer})
-        s.response_ids, s.logprobs, s.versions = c.token_ids, c.logprobs, c.versions
-        s.entropies, s.loss_mask = c.entropies, [1] * len(c.token_ids)
-        s.status = Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED
-        samples.append(s)
-    return samples
 
 
 class Run:
@@ -90,6 +71,8 @@ class Run:
         self.engine = Engine(model, pad_id=self.pad_id, max_batch=cfg.engine.max_batch,
                              seed=cfg.run.seed)
         self.filter = build_filter(cfg.filter, self.task)
+        self.selector = build_selector(cfg.control)
+        self.generator = GroupGenerator(cfg.generate, self.tokenizer)
         self.eval_scorer = make_scorer("exact" if cfg.filter.reward not in ("math_verify",)
                                        else cfg.filter.reward, self.task)
         self.store = RolloutStore(self.dir / "rollouts")
@@ -104,50 +87,85 @@ class Run:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, m = self.cfg, {}
+        """One pass of Generate -> Filter -> Control -> Replay, then train and sync."""
         assert self.engine.version == self.trainer.version, "engine holds stale weights"
         t0 = time.time()
-        # Control: which prompts this step
-        problems = self.rng.sample(self.task.train, cfg.control.prompts_per_step)
-        # Generate: G samples per prompt
-        self.progress.phase("generate")
-        requests = make_requests(problems, self.tokenizer, cfg)
-        completions = self.engine.generate(requests)
-        samples = to_samples(problems, requests, completions, step, cfg.generate.group_size)
-        t_gen = time.time() - t0
-        # Filter: rewards per sample, then which groups carry signal
-        self.progress.phase("score")
-        texts = [self.decode(s.response_ids) for s in samples]
-        by_sample = [problems[r.id // cfg.generate.group_size] for r in requests]
-        m.update(self.filter.score(samples, by_sample, texts))
-        self.store.append(step, samples, [p.prompt for p in by_sample], texts)
-        groups = [Group(p.id, samples[i * cfg.generate.group_size:(i + 1) * cfg.generate.group_size])
-                  for i, p in enumerate(problems)]
-        mixed = [g for g in groups if g.is_mixed]
-        train_groups = mixed if cfg.filter.drop_equal_reward_groups else groups
+        ledger, m = Ledger(), {}
+        groups, scored = self.collect(step, ledger, m)
+        m["perf/gen_seconds"] = time.time() - t0
+        self.persist(step, scored)  # every scored sample is on disk before training
         # Train, then sync the new weights into the engine
         self.progress.phase("train")
         t1 = time.time()
-        m.update(self.trainer.update(train_groups))
-        t_train = time.time() - t1
+        m.update(self.trainer.update(groups))
+        m["perf/train_seconds"] = time.time() - t1
         self.progress.phase("sync")
         self.engine.load_weights(self.trainer.weights(), self.trainer.version)
+        # Control learns from every scored group, kept or not
+        self.selector.observe({g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples))
+                               for g in scored}, step)
+        samples = [s for g in scored for s in g.samples]
         n_gen = sum(s.num_tokens for s in samples)
+        ledger.tokens_to("trained", int(m.get("train/tokens", 0)))
         self.totals["rollouts"] += len(samples)
         self.totals["tokens_generated"] += n_gen
         self.totals["tokens_trained"] += int(m.get("train/tokens", 0))
-        rewards = [s.reward for s in samples]
+        m.update(ledger.metrics())
         m.update({
-            "step": step, "reward/mean": sum(rewards) / len(rewards),
-            "groups/mixed_share": len(mixed) / len(groups),
-            "groups/dropped_equal_reward": len(groups) - len(train_groups),
+            "step": step, "reward/mean": sum(s.reward for s in samples) / len(samples),
+            "groups/mixed_share": sum(g.is_mixed for g in scored) / len(scored),
+            "groups/scored": len(scored), "groups/trained": len(groups),
             "tokens/generated": n_gen, "response/length_mean": n_gen / len(samples),
+            "samples/total": len(samples),
             "samples/truncated": sum(s.status == Status.TRUNCATED for s in samples),
-            "perf/gen_seconds": t_gen, "perf/train_seconds": t_train,
-            "perf/gen_tokens_per_s": n_gen / max(t_gen, 1e-9),
+            "perf/gen_tokens_per_s": n_gen / max(m["perf/gen_seconds"], 1e-9),
             "perf/step_seconds": time.time() - t0, "policy/version": self.trainer.version,
         })
         return m
+
+    def collect(self, step: int, ledger: Ledger, m: dict) -> tuple[list[Group], list[Group]]:
+        """Control picks prompts, Generate samples groups, Filter scores and keeps them. With
+        control.dynamic_sampling, refill until prompts_per_step groups carry a signal (DAPO)."""
+        cfg = self.cfg
+        want, kept, scored = cfg.control.prompts_per_step, [], []
+        for _ in range(cfg.control.max_rounds if cfg.control.dynamic_sampling else 1):
+            problems = self.selector.select(self.task.train, want - len(kept), self.rng)
+            ledger.decide("control", "select", cfg.control.selector, len(problems))
+            self.progress.phase("generate")
+            groups = self.generator.generate(self.engine, problems, step)
+            self.progress.phase("score")
+            self.score(groups, m)
+            scored += groups
+            for g in groups:
+                decision = judge_group(g, cfg.train) if cfg.filter.drop_equal_reward_groups \
+                    else Decision(True, "")
+                tokens = sum(s.num_tokens for s in g.samples)
+                if decision.keep:
+                    kept.append(g)
+                else:
+                    ledger.decide("filter", "drop", decision.reason)
+                    ledger.tokens_to(f"filtered/{decision.reason}", tokens)
+            if len(kept) >= want:
+                break
+        if len(kept) > want:  # dynamic sampling trains on exactly prompts_per_step groups
+            for g in kept[want:]:
+                ledger.decide("filter", "drop", "batch_full")
+                ledger.tokens_to("filtered/batch_full", sum(s.num_tokens for s in g.samples))
+            kept = kept[:want]
+        return kept, scored
+
+    def score(self, groups: list[Group], m: dict) -> None:
+        """Filter: reward every sample (a failing verifier marks its sample failed)."""
+        samples = [s for g in groups for s in g.samples]
+        problems = [g.problem for g in groups for _ in g.samples]
+        texts = [self.decode(s.response_ids) for s in samples]
+        for k, v in self.filter.score(samples, problems, texts).items():
+            m[k] = m.get(k, 0.0) + v
+
+    def persist(self, step: int, groups: list[Group]) -> None:
+        samples = [s for g in groups for s in g.samples]
+        prompts = [g.problem.prompt for g in groups for _ in g.samples]
+        self.store.append(step, samples, prompts, [self.decode(s.response_ids) for s in samples])
 
 
 def train(cfg: Config, progress: Progress | None = None) -> dict:
@@ -161,28 +179,42 @@ def train(cfg: Config, progress: Progress | None = None) -> dict:
     progress.log("held-out pass@1 at start: " + _fmt(start))
     progress.step(0, start)
     last_eval = start
-    with open(run.dir / "metrics.jsonl", "w") as sink:
-        sink.write(json.dumps({"step": 0, **start, "wall_seconds": time.time() - wall0}) + "\n")
-        for step in range(1, cfg.train.steps + 1):
-            m = run.step(step)
-            if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
-                progress.phase("eval")
-                last_eval = run.evaluate()
-                m.update(last_eval)
-            m["wall_seconds"] = time.time() - wall0
-            sink.write(json.dumps(m) + "\n")
-            sink.flush()
-            progress.step(step, m)
+    sinks = build_sinks(cfg, run.dir, log=progress.log)
+    sinks.write(0, {**start, "wall_seconds": time.time() - wall0})
+    progress.take_phase_seconds()  # warm start and first eval are not step 1's phases
+    for step in range(1, cfg.train.steps + 1):
+        m = run.step(step)
+        if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
+            progress.phase("eval")
+            last_eval = run.evaluate()
+            m.update(last_eval)
+        m.update(progress.take_phase_seconds())
+        m["wall_seconds"] = time.time() - wall0
+        sinks.write(step, m)
+        progress.step(step, m)
+    sinks.close()
     progress.close()
     models.save(run.trainer.model, run.tokenizer, run.dir / "model")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
                "eval_start": start, "eval_end": last_eval, "steps": cfg.train.steps,
                **run.totals, "wall_seconds": time.time() - wall0, "run_dir": str(run.dir)}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.run.report:
+        write_report_safely(run.dir, progress.log)
     progress.log("held-out pass@1 at end:   " + _fmt(last_eval))
     progress.log(f"done in {summary['wall_seconds']:.0f}s: pass@1 {summary['eval_pass1_start']:.3f}"
                  f" -> {summary['eval_pass1_end']:.3f}; summary in {run.dir / 'summary.json'}")
     return summary
+
+
+def write_report_safely(run_dir: Path, log) -> None:
+    """report.html for the finished run; a plotting failure is logged, never fatal."""
+    try:
+        from rollwise.report.report import write_report
+        log(f"report: {write_report([run_dir])}")
+    except Exception as e:  # the run's results are already on disk
+        log(f"report.html not written ({type(e).__name__}: {e}); "
+            f"retry with 'rollwise report {run_dir}'")
 
 
 def _fmt(metrics: dict[str, float]) -> str:

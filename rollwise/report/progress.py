@@ -1,4 +1,13 @@
-"""Live progress: a rich bar on a terminal, one plain line per step in logs and CI, or quiet."""
+"""Live progress: a rich bar on a terminal, one plain line per step in logs and CI, or quiet.
+
+The display shows the step, the phase the loop is in (generate / score / train / sync / eval),
+reward, held-out pass@1 (the latest evaluation), generated tokens per second, the share of
+informative groups (mixed rewards, so a non-zero GRPO advantage), and the time left. The
+phase calls also time the phases: `take_phase_seconds()` hands the loop each phase's seconds
+since the last call, as perf/phase/<name>_seconds metrics.
+
+    progress = Progress("plain", total=60)   # or "rich", "quiet", "auto"
+"""
 
 from __future__ import annotations
 
@@ -7,56 +16,108 @@ import sys
 import time
 
 KEYS = [("reward", "reward/mean", "{:.3f}"), ("pass@1", "eval/pass1", "{:.3f}"),
-        ("tok/s", "perf/gen_tokens_per_s", "{:.0f}"), ("mixed", "groups/mixed_share", "{:.2f}")]
+        ("tok/s", "perf/gen_tokens_per_s", "{:.0f}"),
+        ("informative", "groups/mixed_share", "{:.2f}")]
+MODES = ("auto", "rich", "plain", "quiet")
 
 
-def _fmt_eta(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}m{s:02d}s"
+def fmt_duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def info_line(metrics: dict[str, float]) -> str:
+    """'reward 0.412  pass@1 0.530 ...' for the keys present (absent ones are left out)."""
+    return "  ".join(f"{label} {fmt.format(metrics[key])}" for label, key, fmt in KEYS
+                     if isinstance(metrics.get(key), (int, float)))
 
 
 class Progress:
-    def __init__(self, mode: str = "auto", total: int = 0):
+    def __init__(self, mode: str = "auto", total: int = 0, stream=None):
+        if mode not in MODES:
+            raise ValueError(f"run.log = {mode!r}: choose one of {', '.join(MODES)}")
+        self.stream = stream or sys.stdout
         if mode == "auto":
-            mode = "rich" if sys.stdout.isatty() and not os.environ.get("CI") else "plain"
+            tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+            mode = "rich" if tty and not os.environ.get("CI") else "plain"
         self.mode, self.total = mode, total
-        self.start = time.time()
         self.last: dict[str, float] = {}
+        self.current_phase = ""
+        self._phase_t0 = time.time()
+        self._phase_seconds: dict[str, float] = {}
+        self._t_first: float | None = None  # time of the first step() call: the ETA's origin
+        self._step_first = 0
         self._bar = None
         if mode == "rich" and total > 0:
-            from rich.progress import (BarColumn, Progress as RichProgress, TextColumn,
-                                       TimeRemainingColumn)
-            self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"),
-                                     BarColumn(), TextColumn("{task.fields[phase]:<8}"),
-                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self._task = self._bar.add_task("train", total=total, phase="", info="")
-            self._bar.start()
+            self._start_bar()
+
+    def _start_bar(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress as RichProgress, TextColumn
+        self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                 TextColumn("{task.fields[phase]:<8}"),
+                                 TextColumn("{task.fields[info]}"),
+                                 TextColumn("eta {task.fields[eta]}"),
+                                 console=Console(file=self.stream), transient=False)
+        self._task = self._bar.add_task("train", total=self.total, phase="", info="", eta="?")
+        self._bar.start()
 
     def log(self, msg: str) -> None:
         if self.mode == "quiet":
             return
         if self._bar is not None:
-            self._bar.console.print(msg)
+            self._bar.console.print(msg, markup=False, highlight=False)
         else:
-            print(msg, flush=True)
+            print(msg, file=self.stream, flush=True)
+
+    # ----------------------------------------------------------------------- phases
+
+    def _close_phase(self, now: float) -> None:
+        if self.current_phase:
+            dt = now - self._phase_t0
+            self._phase_seconds[self.current_phase] = \
+                self._phase_seconds.get(self.current_phase, 0.0) + dt
+        self._phase_t0 = now
 
     def phase(self, name: str) -> None:
+        """The loop enters phase `name`; the previous phase's time is booked."""
+        self._close_phase(time.time())
+        self.current_phase = name
         if self._bar is not None:
             self._bar.update(self._task, phase=name)
 
-    def _info(self) -> str:
-        parts = [f"{label} {fmt.format(self.last[key])}" for label, key, fmt in KEYS
-                 if key in self.last]
-        return "  ".join(parts)
+    def take_phase_seconds(self) -> dict[str, float]:
+        """Seconds spent in each phase since the last call, as perf/phase/<name>_seconds."""
+        self._close_phase(time.time())
+        out = {f"perf/phase/{k}_seconds": v for k, v in self._phase_seconds.items()}
+        self._phase_seconds = {}
+        return out
+
+    # ------------------------------------------------------------------------ steps
+
+    def eta_seconds(self, step: int) -> float | None:
+        """Time left, from the mean step time since the first step() call (so warm start
+        and model loading do not count as training time); None until one step is done."""
+        if self._t_first is None or step <= self._step_first:
+            return None
+        per_step = (time.time() - self._t_first) / (step - self._step_first)
+        return per_step * max(self.total - step, 0)
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
+        if self._t_first is None:
+            self._t_first, self._step_first = time.time(), step
         self.last.update(metrics)
+        self._close_phase(time.time())
+        self.current_phase = ""
+        eta = self.eta_seconds(step)
+        eta_text = "?" if eta is None else fmt_duration(eta)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=self._info())
+            self._bar.update(self._task, completed=step, info=info_line(self.last), eta=eta_text,
+                             phase="")
         elif self.mode == "plain":
-            elapsed = time.time() - self.start
-            eta = elapsed / max(step, 1) * (self.total - step)
-            print(f"step {step}/{self.total}  {self._info()}  eta {_fmt_eta(eta)}", flush=True)
+            print(f"step {step}/{self.total}  {info_line(self.last)}  eta {eta_text}",
+                  file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

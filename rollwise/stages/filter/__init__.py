@@ -1,90 +1,63 @@
-"""Filter stage: turn a finished response into reward channels, with the reason.
+"""Filter stage: turn finished responses into named reward channels, each with its reason.
 
-`make_scorer(name, task)` returns score(response_text, problem) -> (reward, info). Built in:
-'exact' (the task's extracted answer equals the reference), 'math_verify' (symbolic
-equivalence), or a user's function 'package.module:function' with that same signature.
-A scorer that raises marks the sample failed; the run goes on.
+    stage = build_filter(cfg.filter, task)               # verifiers by name, weighted
+    metrics = stage.score(samples, problems, texts)      # fills sample.rewards/reward/...
+
+Verifiers (rollwise.stages.filter.<module>): exact and task (exact.py), math and gym
+(math_verifier.py), code in a sandbox (code_verifier.py, sandbox.py), format and length
+(fmt.py), judge (judge.py), majority vote (majority.py), user functions (user.py); the
+protocol is in base.py, the worker pool in pool.py. See docs/filter.md.
+
+`make_scorer(name, task)` and `eval_scorer(cfg, task)` give a per-sample scorer
+score(response, problem) -> (reward, info) for held-out evaluation, which always compares
+with the true answer (a majority-vote, judge, format or length reward evaluates as exact).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
+from rollwise.stages.filter.base import Item, Verdict, Verifier
+from rollwise.stages.filter.stage import (CORRECTNESS, Channel, FilterStage, build_filter,
+                                          make_verifier, weights_of)
+from rollwise.stages.filter.user import import_object
 from rollwise.tasks import Problem, Task
 
 Scorer = Callable[[str, Problem], tuple[float, str]]
 
+__all__ = ["Item", "Verdict", "Verifier", "FilterStage", "build_filter", "make_scorer",
+           "eval_scorer", "import_object", "Scorer"]
 
-def exact_scorer(task: Task) -> Scorer:
+
+def make_scorer(name: str, task: Task, cfg=None) -> Scorer:
+    """Per-sample scorer for evaluation: verifier `name` against the true answer, in-process.
+    Names that carry no ground truth (majority, judge, format, length) score as 'exact'."""
+    from rollwise.config import FilterConfig
+    cfg = cfg or FilterConfig()
+    if name not in CORRECTNESS and ":" not in name:
+        name = "exact"
+    verifier = make_verifier(name, cfg, task)
+    verifier.name = name.rsplit(":", 1)[-1] if ":" in name else name
+    stage = FilterStage([Channel(verifier.name, 1.0, verifier)],
+                        _extractor(cfg, task), workers=0)
+
     def score(response: str, problem: Problem) -> tuple[float, str]:
-        got = task.extract_answer(response)
-        return (1.0 if got is not None and got.strip() == problem.answer.strip() else 0.0), \
-            f"answer={got!r}"
+        verdicts = stage.verdicts([Item(response, problem)])[0]
+        rewards, reward, info, cause = stage.combine(verdicts)
+        if cause:
+            raise RuntimeError(f"scoring failed ({cause}): {info}")
+        return reward, info
     return score
 
 
-def math_verify_scorer(task: Task) -> Scorer:
-    from math_verify import parse, verify
-
-    def score(response: str, problem: Problem) -> tuple[float, str]:
-        got = task.extract_answer(response)
-        if got is None:
-            return 0.0, "no answer found"
-        # timeouts off: math-verify's signal.alarm only works in the main thread
-        gold = parse(problem.answer, parsing_timeout=None)
-        pred = parse(got, parsing_timeout=None)
-        return float(verify(gold, pred, timeout_seconds=None)), f"answer={got!r}"
-    return score
+def eval_scorer(cfg, task: Task) -> Scorer:
+    """The scorer held-out pass@1 should use for a training config (cfg: FilterConfig): its
+    first ground-truth verifier (exact, math, gym, code or a user function), else exact."""
+    names = list(weights_of(cfg.reward))
+    truth = [n for n in names if n in CORRECTNESS or ":" in n]
+    return make_scorer(truth[0] if truth else "exact", task, cfg)
 
 
-def import_object(path: str):
-    if ":" not in path:
-        raise ValueError(f"{path!r}: name a user function as 'package.module:function'")
-    module, name = path.split(":", 1)
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import {path!r}: {e}") from e
-
-
-def make_scorer(name: str, task: Task) -> Scorer:
-    if task.score_fn is not None and name == "exact":
-        fn = task.score_fn
-        return lambda response, problem: (float(fn(response, problem)), "task scorer")
-    if name == "exact":
-        return exact_scorer(task)
-    if name == "math_verify":
-        return math_verify_scorer(task)
-    user = import_object(name)
-
-    def score(response: str, problem: Problem) -> tuple[float, str]:
-        out = user(response, problem)
-        reward, info = out if isinstance(out, tuple) else (out, "")
-        return float(reward), str(info)
-    return score
-
-
-class FilterStage:
-    """Scores whole groups of samples in place (minimal in-process version; see issue 5)."""
-
-    def __init__(self, scorer: Scorer):
-        self.scorer = scorer
-
-    def score(self, samples, problems: list[Problem], texts: list[str]) -> dict[str, float]:
-        from rollwise.types import Status
-        failed: dict[str, float] = {}
-        for s, p, text in zip(samples, problems, texts):
-            try:
-                reward, info = self.scorer(text, p)
-            except Exception as e:  # one bad sample never stops the run
-                s.status, reward, info = Status.FAILED, 0.0, f"{type(e).__name__}: {e}"
-                key = f"filter/failed/{type(e).__name__}"
-                failed[key] = failed.get(key, 0.0) + 1
-            s.rewards = {"reward": float(reward)}
-            s.reward, s.reward_info = float(reward), info
-        return failed
-
-
-def build_filter(cfg, task: Task) -> FilterStage:
-    return FilterStage(make_scorer(cfg.reward, task))
+def _extractor(cfg, task):
+    from rollwise.stages.filter.extract import make_extractor
+    return make_extractor(cfg.extract, task)

@@ -1,0 +1,187 @@
+"""End to end against TRL: the same warm-start model, task, group size, prompts per step,
+learning rate and step budget, trained by rollwise and by TRL's GRPOTrainer (CPU, no vLLM),
+one process at a time, for several seeds.
+
+    rollwise bench e2e --vs trl --seeds 0 1 2 --steps 30 --target 0.55 [key=value ...]
+
+Reports, as medians over the seeds: training wall time to reach a held-out greedy pass@1
+target (evaluation time excluded for both; "not reached" counts as infinite), seconds per
+step, and final pass@1. Both are evaluated by rollwise's evaluate() every run.eval_every
+steps. The warm start is trained once (run.seed of --warm-seed) and shared by every run.
+Each run's metrics.jsonl lands under --root, so `rollwise report <root>/rollwise-seed0
+<root>/trl-seed0` overlays the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from rollwise.config import Config, load_config
+
+DEFAULTS = ["run.eval_every=5", "run.log=quiet"]
+
+
+def time_to_target(rows: list[dict], target: float, clock: str) -> float:
+    """Training seconds at the first evaluation with pass@1 >= target; inf if none."""
+    for r in rows:
+        if r.get("eval/pass1", -1.0) >= target - 1e-12:
+            return float(r[clock])
+    return math.inf
+
+
+def rollwise_clock(rows: list[dict]) -> list[dict]:
+    """Add train_seconds (cumulative perf/step_seconds: evaluation excluded) to the rows."""
+    total, out = 0.0, []
+    for r in rows:
+        total += float(r.get("perf/step_seconds", 0.0))
+        out.append({**r, "train_seconds": total})
+    return out
+
+
+def summarize(framework: str, seed: int, rows: list[dict], target: float) -> dict:
+    steps = [r for r in rows if r.get("step", 0) >= 1]
+    evals = [r for r in rows if "eval/pass1" in r]
+    return {"framework": framework, "seed": seed,
+            "seconds_to_target": time_to_target(rows, target, "train_seconds"),
+            "steps_to_target": next((r["step"] for r in evals
+                                     if r["eval/pass1"] >= target - 1e-12), None),
+            "seconds_per_step": rows[-1]["train_seconds"] / max(len(steps), 1),
+            "pass1_start": evals[0]["eval/pass1"], "pass1_final": evals[-1]["eval/pass1"],
+            "pass1_best": max(r["eval/pass1"] for r in evals), "steps": len(steps),
+            "train_seconds": rows[-1]["train_seconds"]}
+
+
+def warm_model(cfg: Config, log) -> Path:
+    """Train (or reuse) the cached warm start; its folder is the shared initial model."""
+    from rollwise.tasks import load_task
+    from rollwise.train.sft import cache_path, warm_start
+    warm_start(cfg, load_task(cfg.task), log=log)
+    return cache_path(cfg)
+
+
+def run_rollwise(cfg: Config, target: float) -> dict:
+    from rollwise.loop.sync import train
+    summary = train(cfg)
+    rows = [json.loads(x) for x in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    return summarize("rollwise", cfg.run.seed, rollwise_clock(rows), target)
+
+
+def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
+    from rollwise import models
+    from rollwise.bench.e2e_trl import run_trl as trl_train
+    from rollwise.engine import Engine
+    from rollwise.evaluate import evaluate
+    from rollwise.stages.filter import make_scorer
+    from rollwise.tasks import load_task
+    task = load_task(cfg.task)
+    tok = models.load_tokenizer(warm)
+    scorer = make_scorer("exact", task)
+
+    def eval_fn(model):  # the same held-out greedy pass@1 as rollwise's loop
+        engine = Engine(model, pad_id=tok.pad_token_id, max_batch=cfg.engine.max_batch)
+        return evaluate(engine, tok, task.eval, scorer, cfg.generate.max_new_tokens)
+    out_dir = Path(cfg.run.root) / cfg.run.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(_dump(cfg))
+    result = trl_train(cfg, task, warm, out_dir, eval_fn, log=log)
+    return summarize("trl", cfg.run.seed, result["rows"], target)
+
+
+def _dump(cfg: Config) -> str:
+    from rollwise.config import dump_config
+    return dump_config(cfg)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def table(results: list[dict], target: float) -> str:
+    def fmt_s(x):
+        return "not reached" if math.isinf(x) else f"{x:.0f}"
+    lines = [f"| framework | seed | s to pass@1 ≥ {target:.2f} | steps to target | s / step | "
+             "pass@1 start | pass@1 final | pass@1 best |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['framework']} | {r['seed']} | {fmt_s(r['seconds_to_target'])} | "
+                     f"{r['steps_to_target'] or '–'} | {r['seconds_per_step']:.2f} | "
+                     f"{r['pass1_start']:.3f} | {r['pass1_final']:.3f} | {r['pass1_best']:.3f} |")
+    meds = medians(results)
+    for fw, m in meds.items():
+        lines.append(f"| **{fw} median** | | {fmt_s(m['seconds_to_target'])} | | "
+                     f"{m['seconds_per_step']:.2f} | {m['pass1_start']:.3f} | "
+                     f"{m['pass1_final']:.3f} | {m['pass1_best']:.3f} |")
+    if {"rollwise", "trl"} <= set(meds):
+        a, b = meds["rollwise"], meds["trl"]
+        ratio = a["seconds_to_target"] / b["seconds_to_target"] if not math.isinf(
+            b["seconds_to_target"]) else 0.0
+        lines.append(f"\nrollwise / TRL: time to target {ratio:.2f}x, time per step "
+                     f"{a['seconds_per_step'] / b['seconds_per_step']:.2f}x, final pass@1 "
+                     f"{a['pass1_final']:.3f} vs {b['pass1_final']:.3f}")
+    return "\n".join(lines)
+
+
+def medians(results: list[dict]) -> dict[str, dict[str, float]]:
+    out = {}
+    for fw in dict.fromkeys(r["framework"] for r in results):
+        rs = [r for r in results if r["framework"] == fw]
+        out[fw] = {k: median([r[k] for r in rs]) for k in (
+            "seconds_to_target", "seconds_per_step", "pass1_start", "pass1_final", "pass1_best")}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rollwise bench e2e", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vs", choices=["trl", "none"], default="trl",
+                   help="the framework to compare with ('none': rollwise only)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=30, help="RL steps for both (train.steps)")
+    p.add_argument("--target", type=float, default=0.55, help="held-out pass@1 target")
+    p.add_argument("--warm-seed", type=int, default=0)
+    p.add_argument("--config")
+    p.add_argument("--root", default="runs/bench-e2e")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = p.parse_args(argv)
+    if args.vs == "trl":
+        _require_trl()
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    base = [*DEFAULTS, *args.overrides, f"train.steps={args.steps}", f"run.root={args.root}"]
+    warm_cfg = load_config(args.config, [*base, f"run.seed={args.warm_seed}"])
+    warm = warm_model(warm_cfg, log)
+    log(f"shared warm start: {warm}")
+    results, t0 = [], time.time()
+    for seed in args.seeds:
+        common = [*base, f"run.seed={seed}", f"run.init={warm}"]
+        cfg = load_config(args.config, [*common, f"run.name=rollwise-seed{seed}"])
+        results.append(run_rollwise(cfg, args.target))
+        log(f"rollwise seed {seed}: {results[-1]}")
+        if args.vs == "trl":
+            cfg = load_config(args.config, [*common, f"run.name=trl-seed{seed}"])
+            results.append(run_trl(cfg, warm, args.target, log))
+            log(f"trl seed {seed}: {results[-1]}")
+    log(f"benchmark wall time {time.time() - t0:.0f}s")
+    if args.json:
+        print(json.dumps({"target": args.target, "steps": args.steps, "results": results,
+                          "medians": medians(results)}, indent=2, default=str))
+    else:
+        print(table(results, args.target))
+    return 0
+
+
+def _require_trl() -> None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit("rollwise bench e2e --vs trl needs TRL: pip install 'rollwise[trl]' "
+                         "(trl, datasets, accelerate)") from None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""TRL's GRPOTrainer set up to match a rollwise config, for `rollwise bench e2e --vs trl`.
+
+Matched: the warm-start model and character tokenizer, the train prompts, the reward (the
+task's exact answer, through rollwise's own scorer), group size, prompts per step, optimizer
+steps per generation batch (rollwise's train.minibatches), AdamW and its learning-rate
+schedule, gradient clipping, clip range, GRPO advantages (group std scaling) and
+sequence-mean-token-mean loss ("grpo"), temperature, max new tokens, no KL (beta=0).
+Held-out pass@1 is measured by rollwise's evaluate() on a copy of TRL's model.
+
+TRL counts optimizer steps; one rollwise step (one generation batch) is
+`train.minibatches` of them: per_device_train_batch_size = prompts * group / minibatches,
+steps_per_generation = minibatches, gradient_accumulation_steps = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from rollwise.config import Config
+from rollwise.tasks import Problem
+
+
+def trl_batch_args(cfg: Config) -> dict:
+    """GRPOConfig batch arithmetic giving rollwise's prompts x group per generation batch
+    and train.minibatches optimizer steps on it."""
+    completions = cfg.control.prompts_per_step * cfg.generate.group_size
+    mb = cfg.train.minibatches
+    if completions % mb:
+        raise ValueError(f"prompts_per_step * group_size = {completions} must divide by "
+                         f"train.minibatches = {mb} to map onto TRL's batches")
+    return {"num_generations": cfg.generate.group_size, "per_device_train_batch_size":
+            completions // mb, "steps_per_generation": mb, "gradient_accumulation_steps": 1}
+
+
+def make_reward(task, scorer):
+    """TRL reward function: rollwise's scorer on each decoded completion (1.0 if exact)."""
+    def exact_answer(completions: list[str], answer: list[str], **_) -> list[float]:
+        return [float(scorer(c, Problem("", "", a))[0]) for c, a in zip(completions, answer)]
+    return exact_answer
+
+
+def rollwise_optimizer(model, cfg: Config, opt_steps_per_rl_step: int):
+    """rollwise's AdamW and schedule (linear to lr * lr_end_factor over train.steps RL steps),
+    stepped once per TRL optimizer step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
+                            weight_decay=cfg.train.weight_decay)
+    total, end = max(cfg.train.steps, 1), cfg.train.lr_end_factor
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 1 - (1 - end) * min(s // opt_steps_per_rl_step, total) / total)
+    return opt, sched
+
+
+def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print) -> dict:
+    """Train with TRL for cfg.train.steps rollwise-sized steps; eval_fn(model) -> metrics
+    every cfg.run.eval_every steps (its time excluded). Writes metrics.jsonl rows in
+    rollwise's format, so `rollwise report` can overlay the two frameworks."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollwise.stages.filter import make_scorer
+    batch = trl_batch_args(cfg)
+    mb = batch["steps_per_generation"]
+    model = AutoModelForCausalLM.from_pretrained(str(warm_dir), dtype=torch.float32)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(warm_dir))
+    data = Dataset.from_dict({"prompt": [p.prompt for p in task.train],
+                              "answer": [p.answer for p in task.train]})
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trl"), use_cpu=True, bf16=False, use_vllm=False,
+        seed=cfg.run.seed, max_steps=cfg.train.steps * mb, **batch,
+        learning_rate=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+        max_grad_norm=cfg.train.grad_clip, max_completion_length=cfg.generate.max_new_tokens,
+        temperature=cfg.generate.temperature, top_p=cfg.generate.top_p,
+        top_k=cfg.generate.top_k, beta=0.0, num_iterations=cfg.train.epochs,
+        epsilon=cfg.train.clip_low, epsilon_high=cfg.train.clip_high, loss_type="grpo",
+        scale_rewards="group", mask_truncated_completions=False, gradient_checkpointing=False,
+        remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0)
+    reward = make_reward(task, make_scorer("exact", task))
+    recorder = _Recorder(cfg, mb, eval_fn, out_dir / "metrics.jsonl", log)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=tok, optimizers=rollwise_optimizer(model, cfg, mb),
+                          callbacks=[_callback(TrainerCallback, recorder)])
+    recorder.start(model)
+    trainer.train()
+    recorder.close()
+    return {"rows": recorder.rows, "train_seconds": recorder.train_seconds}
+
+
+class _Recorder:
+    """Times TRL's training (evaluation excluded) and keeps rollwise-style metric rows.
+
+    Transformers calls on_step_end before on_log of the same optimizer step, so rows are
+    keyed by rollwise step and written at the end; TRL logs its generation metrics (reward,
+    zero-std groups, lengths) at the first optimizer step of each generation batch."""
+
+    def __init__(self, cfg: Config, mb: int, eval_fn, path: Path, log):
+        self.cfg, self.mb, self.eval_fn, self.log, self.path = cfg, mb, eval_fn, log, path
+        self.by_step: dict[int, dict] = {}
+        self.eval_seconds = self.train_seconds = 0.0
+
+    @property
+    def rows(self) -> list[dict]:
+        return [self.by_step[k] for k in sorted(self.by_step)]
+
+    def start(self, model) -> None:
+        self.wall0 = time.time()
+        self.by_step[0] = {"step": 0, **self._eval(model), "wall_seconds": 0.0,
+                           "train_seconds": 0.0}
+        self._say(0)
+        self.t0 = self.t_last = time.time()
+
+    def _eval(self, model) -> dict[str, float]:
+        t = time.time()
+        was_training = model.training
+        out = self.eval_fn(model)
+        model.train(was_training)
+        self.eval_seconds += time.time() - t
+        return out
+
+    def on_log(self, global_step: int, logs: dict) -> None:
+        row = self.by_step.setdefault(-(-global_step // self.mb), {})
+        for src, dst in [("reward", "reward/mean"), ("completions/mean_length",
+                                                      "response/length_mean")]:
+            if isinstance(logs.get(src), float) and math.isfinite(logs[src]):
+                row.setdefault(dst, logs[src])
+        zero = logs.get("frac_reward_zero_std")
+        if isinstance(zero, float) and math.isfinite(zero):
+            row.setdefault("groups/mixed_share", 1 - zero)
+
+    def on_step_end(self, global_step: int, model) -> None:
+        if global_step % self.mb:
+            return
+        step = global_step // self.mb
+        now = time.time()
+        self.train_seconds = now - self.t0 - self.eval_seconds
+        row = self.by_step.setdefault(step, {})
+        row.update({"step": step, "perf/step_seconds": now - self.t_last,
+                    "train_seconds": self.train_seconds})
+        if step % self.cfg.run.eval_every == 0 or step == self.cfg.train.steps:
+            row.update(self._eval(model))
+            self._say(step)
+        row["wall_seconds"] = time.time() - self.wall0
+        self.t_last = time.time()
+
+    def _say(self, step: int) -> None:
+        self.log(f"trl step {step}/{self.cfg.train.steps}: held-out pass@1 "
+                 f"{self.by_step[step]['eval/pass1']:.3f}, {self.train_seconds:.0f}s training")
+
+    def close(self) -> None:
+        with open(self.path, "w") as f:
+            for row in self.rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def _callback(base, recorder: _Recorder):
+    class RecorderCallback(base):
+        def on_log(self, args, state, control, logs=None, **kw):
+            recorder.on_log(state.global_step, logs or {})
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            recorder.on_step_end(state.global_step, model)
+    return RecorderCallback()

@@ -1,0 +1,348 @@
+"""The engine's scheduler: pure bookkeeping, no model and no torch.
+
+Each step, `schedule()` decides which sequences run (every running one decodes one token; waiting
+ones are admitted into free KV slots and prefilled in the same forward pass), which KV rows must be
+copied first (fork), and the shape of the slot cache. After the forward pass and sampling,
+`update(plan, output)` appends the sampled tokens, finishes sequences (stop id or length) and frees
+their slots at once, and returns the events due (every `segment` tokens and at the end). This is
+the split of vLLM's `v1/core/sched` (`schedule()` / `update_from_output()`), and it lets the tests
+drive the scheduler with fabricated outputs.
+
+Memory: the runner keeps one KV row (slot) per running sequence, all rows one length long (a
+rectangle). The scheduler owns that rectangle's shape and keeps rows x length within
+`kv_budget_tokens`; a request that would not fit waits until others finish.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+ROW_ALIGN = 8  # the cache grows in steps of 8 rows and 16 positions: rarely reallocated
+LEN_ALIGN = 16
+
+
+class Params(Protocol):  # the fields of SamplingParams the scheduler reads
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+
+
+class SeqStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, the tokens sampled so far and their per-token columns."""
+
+    seq_id: int
+    request_id: Any  # the caller's tag, carried to events and completions
+    prompt: list[int]
+    params: Any  # SamplingParams (max_new_tokens counts every response token, inherited ones too)
+    rng: Any = None  # the sequence's own uniform stream (sampling.SeedStream)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    hidden: Any = None  # last hidden state of the latest token (when params.return_hidden)
+    parent: int | None = None  # seq_id this was forked from
+    branch_point: int = 0  # tokens[:branch_point] were inherited from the parent
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop", "length", "abort", "paused"
+    slot: int | None = None
+    cached: int = 0  # positions 0..cached-1 of the slot hold this sequence's K/V
+    emitted: int = 0  # tokens already reported in events
+
+    @property
+    def reservation(self) -> int:
+        """KV positions this sequence may need: prompt + every response token."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a (re-)prefill feeds: the prompt and any partial response (resume, late fork)."""
+        return self.prompt + self.tokens
+
+    def done_reason(self) -> str | None:
+        if self.tokens and self.tokens[-1] in self.params.stop_ids:
+            return "stop"
+        if len(self.tokens) >= self.params.max_new_tokens:
+            return "length"
+        return None
+
+
+@dataclass
+class StepPlan:
+    """One forward pass: decode rows first (one token each), then prefill rows."""
+
+    decode: list[Sequence]
+    prefill: list[Sequence]
+    copies: list[tuple[int, int, int]]  # (src slot, dst slot, positions) to copy before the pass
+    cache_rows: int
+    cache_len: int
+    shared: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    """(follower, leader): same prefill ids as a leader prefilled in this pass; the follower
+    samples from the leader's logits and gets its K/V copied after the pass (a group's samples
+    share one prompt prefill)."""
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Sampled rows, in the order of the runner's outputs."""
+        return self.decode + self.prefill + [f for f, _ in self.shared]
+
+    @property
+    def after_copies(self) -> list[tuple[int, int, int]]:
+        return [(lead.slot, f.slot, len(lead.prefill_ids)) for f, lead in self.shared]  # type: ignore
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens through the model in this pass."""
+        return len(self.decode) + sum(len(s.prefill_ids) for s in self.prefill)
+
+
+@dataclass
+class StepOutput:
+    """What the runner and sampler produced for `plan.sequences`, row by row."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    version: int
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    hidden: list[Any] | None = None
+
+
+@dataclass
+class Event:
+    """New tokens of one sequence since its last event; `finished` on its last one."""
+
+    seq_id: int
+    request_id: Any
+    token_ids: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    versions: list[int]
+    finished: bool
+    finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    hidden: Any = None
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+class Scheduler:
+    def __init__(self, max_slots: int, *, kv_budget_tokens: int | None = None,
+                 max_prefill_tokens: int = 8192, segment: int = 16):
+        if max_slots < 1 or segment < 1 or max_prefill_tokens < 1:
+            raise ValueError(f"max_slots={max_slots}, segment={segment}, max_prefill_tokens="
+                             f"{max_prefill_tokens}: each must be >= 1")
+        self.max_slots = max_slots
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.segment = segment
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
+        self.paused: dict[int, Sequence] = {}
+        self.free_slots: list[int] = list(range(max_slots))  # a heap: lowest first
+        self.cache_rows = 0
+        self.cache_len = 0
+        self._copies: list[tuple[int, int, int]] = []
+
+    # ---- requests in -----------------------------------------------------------------------
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        self._check_fits(seq)
+        seq.status, seq.slot, seq.cached = SeqStatus.WAITING, None, 0
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    def _check_fits(self, seq: Sequence) -> None:
+        need = _round_up(seq.reservation, LEN_ALIGN)
+        if self.kv_budget_tokens is not None and need > self.kv_budget_tokens:
+            raise ValueError(
+                f"request {seq.request_id!r} needs {seq.reservation} KV positions (prompt "
+                f"{len(seq.prompt)} + max_new_tokens {seq.params.max_new_tokens}), {need} with "
+                f"alignment, over kv_budget_tokens={self.kv_budget_tokens}: raise "
+                f"the budget or shorten the request")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, seq_id: int) -> Sequence:
+        for seq in (self.running.get(seq_id), self.paused.get(seq_id)):
+            if seq is not None:
+                return seq
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                return seq
+        raise KeyError(f"sequence {seq_id} is not waiting, running or paused (finished, "
+                       f"aborted, or never added)")
+
+    # ---- the step ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        decode = list(self.running.values())
+        prefill: list[Sequence] = []
+        shared: list[tuple[Sequence, Sequence]] = []
+        leaders: dict[tuple[int, ...], Sequence] = {}
+        budget = self.max_prefill_tokens
+        rows_need, len_need = self._occupied()
+        while self.waiting and self.free_slots:
+            seq = self.waiting[0]
+            key = tuple(seq.prefill_ids)
+            leader = leaders.get(key)
+            if leader is None and prefill and len(key) > budget:
+                break
+            need = max(rows_need, self.free_slots[0] + 1), max(len_need, seq.reservation)
+            shape = self._fit(*need)
+            if shape is None:
+                break
+            self.waiting.popleft()
+            self._place(seq, shape)
+            if leader is None:
+                prefill.append(seq)
+                leaders[key] = seq
+                budget -= len(key)
+            else:
+                shared.append((seq, leader))
+            rows_need, len_need = need
+        # shrink (or give back when idle) once finished and paused sequences left it too big
+        self.cache_rows, self.cache_len = self._fit(rows_need, len_need) or (self.cache_rows,
+                                                                             self.cache_len)
+        copies, self._copies = self._copies, []
+        return StepPlan(decode, prefill, copies, self.cache_rows, self.cache_len, shared)
+
+    def _occupied(self) -> tuple[int, int]:
+        """Rows and positions the running sequences need."""
+        rows = max((s.slot + 1 for s in self.running.values()), default=0)
+        return rows, max((s.reservation for s in self.running.values()), default=0)
+
+    def _fit(self, rows_need: int, len_need: int) -> tuple[int, int] | None:
+        """The cache shape for this need, or None if over budget. The current shape is kept
+        while it covers the need and is at most twice its size; else the cache grows with
+        alignment (rarely reallocated) or, near the budget, fits tightly."""
+        if rows_need == 0:
+            return 0, 0
+        rows = min(_round_up(rows_need, ROW_ALIGN), self.max_slots)
+        length = _round_up(len_need, LEN_ALIGN)
+        cur_rows, cur_len = self.cache_rows, self.cache_len
+        candidates = [(rows, length), (rows_need, length)]
+        if rows_need > cur_rows or len_need > cur_len:
+            candidates.insert(0, (max(rows, cur_rows), max(length, cur_len)))
+        elif cur_rows * cur_len <= 2 * rows * length:
+            candidates.insert(0, (cur_rows, cur_len))
+        for shape in candidates:
+            if not self._over(*shape):
+                return shape
+        return None
+
+    def _over(self, rows: int, length: int) -> bool:
+        return self.kv_budget_tokens is not None and rows * length > self.kv_budget_tokens
+
+    def _place(self, seq: Sequence, shape: tuple[int, int]) -> None:
+        seq.slot = heapq.heappop(self.free_slots)
+        seq.status = SeqStatus.RUNNING
+        self.running[seq.seq_id] = seq
+        self.cache_rows, self.cache_len = shape
+
+    def update(self, plan: StepPlan, out: StepOutput) -> list[Event]:
+        """Append the sampled tokens; finish, free and report sequences as due."""
+        events = []
+        for i, seq in enumerate(plan.sequences):
+            if seq.status is not SeqStatus.RUNNING:  # aborted or paused during the step
+                continue
+            seq.cached = len(seq.prompt) + len(seq.tokens)  # every fed token is now in the cache
+            seq.tokens.append(out.tokens[i])
+            seq.logprobs.append(out.logprobs[i])
+            seq.entropies.append(out.entropies[i])
+            seq.versions.append(out.version)
+            if out.top_logprobs is not None:
+                seq.top_logprobs.append(out.top_logprobs[i])
+            if out.hidden is not None:
+                seq.hidden = out.hidden[i]
+            reason = seq.done_reason()
+            if reason is not None:
+                self._finish(seq, SeqStatus.FINISHED, reason)
+            if reason is not None or len(seq.tokens) - seq.emitted >= self.segment:
+                events.append(self.event(seq))
+        return events
+
+    def event(self, seq: Sequence) -> Event:
+        a = seq.emitted
+        seq.emitted = len(seq.tokens)
+        return Event(seq.seq_id, seq.request_id, seq.tokens[a:], seq.logprobs[a:],
+                     seq.entropies[a:], seq.versions[a:], seq.status is not SeqStatus.RUNNING,
+                     seq.finish_reason, seq.top_logprobs[a:] if seq.top_logprobs else None,
+                     seq.hidden)
+
+    def _finish(self, seq: Sequence, status: SeqStatus, reason: str) -> None:
+        self._release(seq)
+        seq.status, seq.finish_reason = status, reason
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.seq_id in self.running:
+            del self.running[seq.seq_id]
+            heapq.heappush(self.free_slots, seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.paused.pop(seq.seq_id, None)
+        seq.slot, seq.cached = None, 0
+
+    # ---- control between steps -------------------------------------------------------------
+    def abort(self, seq_id: int) -> Sequence:
+        seq = self.get(seq_id)
+        self._finish(seq, SeqStatus.ABORTED, "abort")
+        return seq
+
+    def pause(self, seq_id: int) -> Sequence:
+        """Stop and free a sequence, keeping its tokens for `resume` (which re-prefills)."""
+        seq = self.get(seq_id)
+        if seq.status is SeqStatus.PAUSED:
+            return seq
+        self._finish(seq, SeqStatus.PAUSED, "paused")
+        self.paused[seq_id] = seq
+        return seq
+
+    def resume(self, seq_id: int, front: bool = True) -> Sequence:
+        """Queue a paused sequence again (ahead of new requests, as APRIL's partial buffer)."""
+        seq = self.paused.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not paused; pause it before resume")
+        if seq.done_reason() is not None:
+            raise ValueError(f"sequence {seq_id} already has {len(seq.tokens)} tokens, its "
+                             f"max_new_tokens; raise max_new_tokens to resume it")
+        del self.paused[seq_id]
+        seq.finish_reason = None
+        self.add(seq, front=front)
+        return seq
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> bool:
+        """Add children that continue from the parent's current state. Returns True if they got
+        slots at once (their KV is copied from the parent's row, no re-prefill); otherwise they
+        wait at the head of the queue and are prefilled from prompt + tokens when admitted."""
+        for child in children:
+            self._check_fits(child)
+        direct = False
+        if children and parent.status is SeqStatus.RUNNING and parent.cached > 0 and \
+                len(self.free_slots) >= len(children):
+            rows_need, len_need = self._occupied()
+            need = (max(rows_need, heapq.nsmallest(len(children), self.free_slots)[-1] + 1),
+                    max([len_need] + [c.reservation for c in children]))
+            shape = self._fit(*need)
+            direct = shape is not None
+        if direct:
+            for child in children:
+                self._place(child, shape)  # type: ignore[arg-type]
+                child.cached = parent.cached
+                self._copies.append((parent.slot, child.slot, parent.cached))  # type: ignore
+            return True
+        for child in reversed(children):
+            self.add(child, front=True)
+        return False

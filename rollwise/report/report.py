@@ -1,0 +1,191 @@
+"""`rollwise report RUN [RUN ...]`: one self-contained HTML page (plots embedded as PNG, no
+script, no network) with reward and held-out pass@1 against step, tokens and wall time; where
+the tokens went; response lengths over time; informative groups; engine throughput and phase
+timings; and the config. Several runs are overlaid. The loop writes <run>/report.html at the
+end of every run.
+
+    write_report(["runs/default"])                     # -> runs/default/report.html
+    write_report(["runs/a", "runs/b"], "cmp.html")      # overlaid
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from rollwise.report import plots
+from rollwise.report.data import RunData, load_runs
+
+CSS = """
+body { font-family: system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif;
+       margin: 24px auto; max-width: 1320px; color: #222; background: #fff; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px;
+     border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+.sub { color: #666; font-size: 13px; } p.note { color: #555; font-size: 13px; max-width: 900px; }
+table { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
+td, th { border: 1px solid #ddd; padding: 4px 8px; text-align: right; }
+th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+img { max-width: 100%; } pre { background: #f7f7f7; padding: 10px; font-size: 12px;
+     overflow-x: auto; } details { margin: 6px 0; }
+"""
+
+
+def figure_html(fig, alt: str) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    data = base64.b64encode(buf.getvalue()).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def table_html(head: list[str], rows: list[list]) -> str:
+    out = ["<table><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in head) + "</tr>"]
+    for r in rows:
+        out.append("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in r) + "</tr>")
+    return "\n".join(out) + "</table>"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v) if v is not None else "–"
+
+
+def _last(run: RunData, key: str):
+    vals = run.series(key)[1]
+    return vals[-1] if vals else None
+
+
+def _mean(xs: list[float]):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _pass1(run: RunData, which: str):
+    vals = run.series("eval/pass1")[1]
+    if not vals:
+        return None
+    return {"start": vals[0], "end": vals[-1], "best": max(vals)}[which]
+
+
+SUMMARY = [  # label, value of a run, format
+    ("training steps", lambda r: len(r.training_steps()), "{:d}"),
+    ("held-out pass@1 at start", lambda r: _pass1(r, "start"), "{:.3f}"),
+    ("held-out pass@1 at end", lambda r: _pass1(r, "end"), "{:.3f}"),
+    ("best held-out pass@1", lambda r: _pass1(r, "best"), "{:.3f}"),
+    ("mean reward, last step", lambda r: _last(r, "reward/mean"), "{:.3f}"),
+    ("wall time (s)", lambda r: _last(r, "wall_seconds"), "{:,.1f}"),
+    ("tokens generated", lambda r: sum(r.series("tokens/generated")[1]), "{:,.0f}"),
+    ("tokens trained on", lambda r: sum(r.token_categories().get("trained", [])), "{:,.0f}"),
+    ("mean seconds per step", lambda r: _mean(r.series("perf/step_seconds")[1]), "{:.2f}"),
+    ("mean generated tokens / s", lambda r: _mean(r.series("perf/gen_tokens_per_s")[1]),
+     "{:,.0f}"),
+]
+
+
+def summary_rows(runs: list[RunData]) -> tuple[list[str], list[list]]:
+    rows = []
+    for label, value, fmt in SUMMARY:
+        vals = [value(r) for r in runs]
+        rows.append([label, *["–" if v is None else fmt.format(v) for v in vals]])
+    return ["", *[r.name for r in runs]], rows
+
+
+def token_rows(runs: list[RunData]) -> tuple[list[str], list[list]]:
+    """Totals per category and their share of the generated tokens, runs side by side."""
+    per_run = [{k: sum(v) for k, v in r.token_categories().items()} for r in runs]
+    generated = [sum(float(x.get("tokens/generated", 0) or 0) for x in r.rows
+                     if x.get("step", 0) >= 1) for r in runs]
+    cats = list(dict.fromkeys(c for m in per_run for c in m))
+    rows = [["generated", *[f"{g:,.0f}" for g in generated]]]
+    for c in cats:
+        rows.append([c, *[f"{m.get(c, 0):,.0f} ({m.get(c, 0) / g:.1%})" if g else
+                          f"{m.get(c, 0):,.0f}" for m, g in zip(per_run, generated)]])
+    return ["category", *[r.name for r in runs]], rows
+
+
+def _flatten(d, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_html(runs: list[RunData]) -> str:
+    if len(runs) == 1:
+        text = runs[0].config_text or "(no config.yaml in the run directory)"
+        return f"<pre>{html.escape(text)}</pre>"
+    flat = [_flatten(yaml.safe_load(r.config_text) if r.config_text else {}) for r in runs]
+    keys = sorted({k for f in flat for k in f})
+    differ = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    parts = ["<p class='note'>Settings that differ between the runs:</p>",
+             table_html(["key", *[r.name for r in runs]],
+                        [[k, *[repr(f.get(k)) for f in flat]] for k in differ])
+             if differ else "<p class='note'>The configs are identical.</p>"]
+    for r in runs:
+        parts.append(f"<details><summary>{html.escape(r.name)}: full config</summary>"
+                     f"<pre>{html.escape(r.config_text)}</pre></details>")
+    return "\n".join(parts)
+
+
+SECTIONS = [
+    ("Learning: reward and held-out pass@1", plots.learning_curves,
+     "Top: mean reward of the training samples. Bottom: greedy pass@1 on the held-out set "
+     "(dashed: per tier). Left to right against step, generated tokens and wall time."),
+    ("Where the tokens went", plots.token_flow,
+     "Generated tokens per step by fate: trained on, filtered (groups with equal rewards carry "
+     "no GRPO signal), dropped by the trainer, and paused / pruned / aborted where the run's "
+     "controllers report them."),
+    ("Response length over time", plots.lengths,
+     "Median response length per step and the 10-90 % band, from the rollout store."),
+    ("Informative groups", plots.groups,
+     "Share of groups whose rewards are not all equal (only these give a non-zero GRPO "
+     "advantage), and the share of samples cut at max_new_tokens."),
+    ("Engine throughput and phase timings", plots.engine,
+     "Generated tokens per second of generation time, seconds per step, and the mean seconds "
+     "per step in each phase of the loop."),
+]
+
+
+def render(runs: list[RunData]) -> str:
+    names = ", ".join(r.name for r in runs)
+    body = [f"<h1>rollwise report: {html.escape(names)}</h1>",
+            f"<div class='sub'>written {time.strftime('%Y-%m-%d %H:%M:%S')} from "
+            + ", ".join(html.escape(str(r.dir)) for r in runs) + "</div>",
+            "<h2>Summary</h2>", table_html(*summary_rows(runs))]
+    for title, plot, note in SECTIONS:
+        body += [f"<h2>{html.escape(title)}</h2>", f"<p class='note'>{html.escape(note)}</p>",
+                 figure_html(plot(runs), title)]
+        if plot is plots.token_flow:
+            body.append(table_html(*token_rows(runs)))
+    body += ["<h2>Config</h2>", config_html(runs)]
+    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>rollwise report: {html.escape(names)}</title><style>{CSS}</style></head>"
+            "<body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def default_out(paths: list[Path]) -> Path:
+    """<run>/report.html for one run; <common parent>/report-compare.html for several."""
+    if len(paths) == 1:
+        return paths[0] / "report.html"
+    common = Path(os.path.commonpath([str(p.resolve()) for p in paths]))
+    return common / "report-compare.html"
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    if not run_dirs:
+        raise ValueError("write_report needs at least one run directory")
+    paths = [Path(p) for p in run_dirs]
+    out = Path(out) if out else default_out(paths)
+    page = render(load_runs(paths))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out)
+    return out

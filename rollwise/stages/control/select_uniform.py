@@ -1,0 +1,21 @@
+"""Uniform prompt selection without replacement within a step."""
+
+from __future__ import annotations
+
+import random
+
+from rollwise.tasks import Problem
+
+
+class UniformSelector:
+    def select(self, pool: list[Problem], n: int, rng: random.Random) -> list[Problem]:
+        return rng.sample(pool, min(n, len(pool)))
+
+    def observe(self, outcomes: dict[str, tuple[int, int]], step: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

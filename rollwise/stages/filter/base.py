@@ -1,0 +1,95 @@
+"""The verifier protocol: score a batch of responses into named reward channels, with reasons.
+
+A verifier gets `Item`s (the decoded response, its problem, the answer the configured
+extractor found, the token count and the index of its group in the batch) and returns one
+`Verdict` per item. `isolated` verifiers (math-verify, code, user functions) run one item at a
+time in worker processes with a per-sample timeout; the others run in-process on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rollwise.tasks import Problem
+
+# why a verifier could not score a sample (metric: filter/failed/<cause>)
+TIMEOUT, CRASH, ERROR, BAD_OUTPUT = "timeout", "crash", "error", "bad_output"
+
+
+@dataclass
+class Item:
+    text: str  # the decoded response
+    problem: Problem
+    answer: str | None = None  # what the configured extractor found in `text`
+    num_tokens: int = 0
+    group: int = 0  # samples with the same value are one prompt's group
+
+
+@dataclass
+class Verdict:
+    rewards: dict[str, float] = field(default_factory=dict)  # named channels
+    info: str = ""  # extracted answer, test results, or why it failed
+    failed: str | None = None  # a cause (TIMEOUT, CRASH, ERROR, BAD_OUTPUT, ...) or None
+
+    @classmethod
+    def failure(cls, cause: str, info: str) -> "Verdict":
+        return cls({}, info, cause)
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    name: str  # the channel it fills
+    isolated: bool  # True: one item at a time in a worker process, with a timeout
+
+    def score(self, items: list[Item]) -> list[Verdict]: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Batch-level numbers from the last `score` call (e.g. the majority ratio)."""
+        ...
+
+
+def coerce(out: Any, channel: str) -> Verdict:
+    """Turn what a verifier (or user function) returned into a Verdict, or a BAD_OUTPUT one.
+
+    Accepted: a Verdict, a number, (number, info), or a dict of channel -> number (the
+    verifier's own channel must be among them). Non-finite numbers are garbage."""
+    if isinstance(out, Verdict):
+        verdict = out
+    elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], str):
+        verdict = Verdict({channel: out[0]}, out[1])
+    elif isinstance(out, dict):
+        verdict = Verdict(dict(out), "")
+    elif isinstance(out, (int, float)) and not isinstance(out, bool):
+        verdict = Verdict({channel: out}, "")
+    elif isinstance(out, bool):
+        verdict = Verdict({channel: float(out)}, "")
+    else:
+        return Verdict.failure(BAD_OUTPUT, f"{channel}: returned {type(out).__name__} "
+                                           f"{str(out)[:80]!r}, expected a number")
+    if verdict.failed:
+        return verdict
+    try:
+        rewards = {str(k): float(v) for k, v in verdict.rewards.items()}
+    except (TypeError, ValueError) as e:
+        return Verdict.failure(BAD_OUTPUT, f"{channel}: non-numeric reward ({e})")
+    bad = [k for k, v in rewards.items() if not math.isfinite(v)]
+    if bad or channel not in rewards:
+        what = f"non-finite {bad}" if bad else f"no {channel!r} channel in {sorted(rewards)}"
+        return Verdict.failure(BAD_OUTPUT, f"{channel}: {what}")
+    return Verdict(rewards, str(verdict.info))
+
+
+def score_checked(verifier: Verifier, items: list[Item]) -> list[Verdict]:
+    """Run an in-process verifier on a batch; an exception or a wrong-length answer fails
+    every item of the batch with the reason, never the run."""
+    try:
+        out = verifier.score(items)
+    except Exception as e:
+        return [Verdict.failure(ERROR, f"{verifier.name}: {type(e).__name__}: {e}")] * len(items)
+    if not isinstance(out, list) or len(out) != len(items):
+        n = len(out) if isinstance(out, list) else type(out).__name__
+        return [Verdict.failure(BAD_OUTPUT, f"{verifier.name}: returned {n} verdicts "
+                                            f"for {len(items)} samples")] * len(items)
+    return [coerce(v, verifier.name) for v in out]

@@ -1,0 +1,99 @@
+"""Answer extraction (which part of a response is the answer) and normalisation (when two
+answers are the same vote).
+
+Strategies, tried in the configured order until one finds something:
+  task         the task's own extractor (built-in arith reverses its least-significant-first
+               digits; reasoning-gym and file tasks take the last line)
+  boxed        the content of the last \\boxed{...} (braces balanced)
+  answer_is    what follows the last "answer is" / "answer:" up to the end of its sentence
+  last_number  the last number (integers, decimals, 1,000-style groups, a/b fractions)
+  last_line    the last non-empty line
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Callable
+
+STRATEGIES = ("task", "boxed", "answer_is", "last_number", "last_line")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*(.+?)\s*(?:\.\s|\.$|\n|$)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None  # unbalanced: no answer
+
+
+def answer_is(text: str) -> str | None:
+    found = _ANSWER_IS.findall(text)
+    return found[-1].strip().strip("$ ") if found else None
+
+
+def last_number(text: str) -> str | None:
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def last_line(text: str) -> str | None:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def make_extractor(strategies: list[str], task) -> Callable[[str], str | None]:
+    """The configured extractor; [] means the task's own."""
+    order = list(strategies) or ["task"]
+    unknown = [s for s in order if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"filter.extract: unknown strategy {unknown}; choose from {STRATEGIES}")
+    fns = {"task": task.extract_answer, "boxed": last_boxed, "answer_is": answer_is,
+           "last_number": last_number, "last_line": last_line}
+    chain = [fns[s] for s in order]
+
+    def extract(text: str) -> str | None:
+        for fn in chain:
+            got = fn(text)
+            if got is not None and got.strip():
+                return got.strip()
+        return None
+    return extract
+
+
+def normalize(answer: str | None) -> str | None:
+    """A canonical form for voting: LaTeX wrappers, units text, spaces and thousands commas
+    removed, numbers (incl. \\frac and a/b) written as reduced fractions or integers."""
+    if answer is None:
+        return None
+    s = answer.strip().strip("$").strip()
+    boxed = last_boxed(s)
+    s = boxed if boxed is not None else s
+    s = re.sub(r"\\text\{[^}]*\}|\\mathrm\{[^}]*\}", "", s)
+    s = re.sub(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}", r"(\1)/(\2)", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
+    s = re.sub(r"\s+", "", s).rstrip(".").lower()
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    number = _as_fraction(s)
+    if number is not None:
+        return str(number.numerator) if number.denominator == 1 else f"{number}"
+    return s or None
+
+
+def _as_fraction(s: str) -> Fraction | None:
+    m = re.fullmatch(r"\(?(-?\d+(?:\.\d+)?)\)?(?:/\(?(-?\d+(?:\.\d+)?)\)?)?", s)
+    if not m:
+        return None
+    try:
+        value = Fraction(m.group(1))
+        return value / Fraction(m.group(2)) if m.group(2) else value
+    except (ZeroDivisionError, ValueError):
+        return None

@@ -1,0 +1,91 @@
+"""Math answers: symbolic equivalence with math-verify, and reasoning-gym's own scorers.
+
+math-verify guards its parser and comparison with `signal.alarm`, which only works in a
+process's main thread. In a pool worker we turn its timeouts off (the pool kills a worker
+that overruns the per-sample timeout); in-process we keep them only on the main thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+
+from rollwise.stages.filter.base import Item, Verdict
+
+
+def _latex(answer: str) -> str:
+    """math-verify extracts from LaTeX environments; wrap a bare answer so it parses as one."""
+    s = answer.strip()
+    return s if "$" in s or "\\boxed" in s or "\\(" in s else f"${s}$"
+
+
+class MathVerifier:
+    """1 when the extracted answer is mathematically equal to the reference (fractions,
+    LaTeX, units, intervals, sets, equations, percentages), else 0."""
+
+    name = "math"
+    isolated = True
+
+    def __init__(self, timeout_s: float = 5.0, name: str = "math"):
+        self.timeout_s, self.name = timeout_s, name
+        self.in_worker = False  # set by the pool: the pool's kill replaces math-verify's alarm
+
+    def _timeout(self) -> int | None:
+        main = threading.current_thread() is threading.main_thread()
+        return None if self.in_worker or not main else max(1, round(self.timeout_s))
+
+    def score(self, items: list[Item]) -> list[Verdict]:
+        return [self.score_one(it) for it in items]
+
+    def score_one(self, it: Item) -> Verdict:
+        if it.answer is None:
+            return Verdict({self.name: 0.0}, "no answer found")
+        from math_verify import verify
+        t = self._timeout()
+        gold = _parse(_latex(it.problem.answer), t)
+        pred = _parse(_latex(it.answer), t)
+        if not pred:
+            return Verdict({self.name: 0.0}, f"answer={it.answer!r} (not parseable)")
+        ok = verify(gold, pred, timeout_seconds=t)
+        return Verdict({self.name: float(ok)}, f"answer={it.answer!r}")
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+@lru_cache(maxsize=4096)
+def _parse(text: str, timeout: int | None):
+    import logging
+    from math_verify import parse
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is off" warning
+    return parse(text, parsing_timeout=timeout)
+
+
+class GymVerifier:
+    """reasoning-gym's `score_answer(answer, entry)` of the dataset that made the problem
+    (its name is in the entry's metadata), on the extracted answer."""
+
+    name = "gym"
+    isolated = True
+
+    def __init__(self, name: str = "gym"):
+        self.name = name
+        self._scorers: dict = {}
+
+    def score(self, items: list[Item]) -> list[Verdict]:
+        return [self.score_one(it) for it in items]
+
+    def score_one(self, it: Item) -> Verdict:
+        entry = it.problem.data
+        dataset = (entry.get("metadata") or {}).get("source_dataset")
+        if not dataset:
+            raise ValueError(f"problem {it.problem.id}: no metadata.source_dataset, so it is "
+                             "not a reasoning-gym entry; use filter.reward=math or exact")
+        if dataset not in self._scorers:
+            import reasoning_gym
+            self._scorers[dataset] = reasoning_gym.get_score_answer_fn(dataset)
+        value = float(self._scorers[dataset](it.answer, entry))
+        return Verdict({self.name: value}, f"answer={it.answer!r}")
+
+    def metrics(self) -> dict[str, float]:
+        return {}

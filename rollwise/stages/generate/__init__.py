@@ -1,0 +1,1 @@
+"""Generate stage: which trajectories are proposed, and their shape."""

@@ -1,0 +1,248 @@
+"""An engine in a child process on this machine: the trainer and the rollout engine apart, as
+in a disaggregated setup, with weights arriving through shared memory.
+
+    proc = EngineProcess(model, pad_id=tok.pad_token_id, seed=0, dtype=torch.bfloat16)
+    completions = proc.generate(requests)        # runs in the child, same results as in-process
+    sync = build_sync(cfg.sync, trainer, proc)   # full or sparse payloads via shared memory
+    proc.close()
+
+The child builds the model skeleton from the parent's config without initialising it (meta
+device), copies the parent's buffers, and receives every weight as a verified full payload, so
+it holds bit for bit what an in-process `Engine(model)` would. `build_engine(cfg, model, ...)`
+picks in-process or child process from `sync.transport`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import torch
+
+from rollwise.sync.errors import BY_NAME, EngineProcessError, SyncError
+from rollwise.sync.payload import dtype_name, to_dtype
+from rollwise.sync.receiver import Ack, EngineState, Receiver
+from rollwise.sync.sender import Sender
+from rollwise.sync.transport import SharedArena
+
+
+def _wire(t: torch.Tensor) -> tuple[bytes, str, tuple[int, ...]]:
+    """A tensor as plain bytes: pickling a tensor into a pipe would move the parent's storage
+    into shared memory as a side effect."""
+    t = t.detach().contiguous()
+    return bytes(t.reshape(-1).view(torch.uint8).numpy()), dtype_name(t.dtype), tuple(t.shape)
+
+
+def _unwire(w) -> torch.Tensor:
+    data, dtype, shape = w
+    return torch.frombuffer(bytearray(data), dtype=to_dtype(dtype)).reshape(shape)
+
+
+class EngineProcess:
+    """The built-in Engine, hosted in a child process. Exposes `generate`, `version`,
+    `tokens_generated`, `load_weights` and `call(method, ...)` for any other engine method."""
+
+    def __init__(self, model, *, dtype: torch.dtype | None = None, threads: int | None = None,
+                 version: int = 0, **engine_kwargs):
+        ctx = mp.get_context("spawn")  # fork would copy a threaded torch runtime
+        self._conn, child = ctx.Pipe()
+        init = {"cls": type(model), "config": model.config,
+                "buffers": {n: _wire(b) for n, b in model.named_buffers()},
+                "dtype": None if dtype is None else dtype_name(dtype),
+                "threads": threads or torch.get_num_threads(), "engine_kwargs": engine_kwargs}
+        self._proc = ctx.Process(target=_child_main, args=(child, init), daemon=True,
+                                 name="rollwise-engine")
+        self._proc.start()
+        child.close()
+        self._arena: SharedArena | None = None
+        self.tokens_generated = 0
+        self._version = -1
+        self._recv()  # the child is up
+        self.load_weights(model.state_dict(), version)
+
+    # --- the engine's interface -------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def model(self):
+        raise AttributeError("the engine's model lives in a child process; read its weights "
+                             "with ProcessTransport(proc).engine_weights()")
+
+    def generate(self, requests):
+        completions, self.tokens_generated, self._version = self._call("generate", requests)
+        return completions
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Full, verified load of these weights (cast to the engine's dtypes)."""
+        state = self.sync_state()
+        sender = Sender(state.spec, keep_mirror=False, with_checksum=True, bucket_bytes=2**62)
+        meta, _ = sender.encode(state_dict, version, self.arena, full=True)
+        self.apply(meta)
+
+    def call(self, method: str, *args, **kwargs):
+        """Any other method of the engine, run in the child (arguments and result pickled)."""
+        return self._call("call", method, args, kwargs)
+
+    # --- the weight-sync side ---------------------------------------------------------------
+    def sync_state(self) -> EngineState:
+        state = self._call("state")
+        self._version = state.version
+        return state
+
+    def arena(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of the shared arena; grows it (and tells the child) when too small."""
+        if self._arena is None or self._arena.nbytes < nbytes:
+            grown = SharedArena(max(nbytes, int(1.25 * self._arena.nbytes) if self._arena else 0))
+            self._call("attach", grown.name, grown.nbytes)
+            old, self._arena = self._arena, grown
+            if old is not None:
+                old.close()
+        return self._arena.tensor[:nbytes]
+
+    def apply(self, meta) -> Ack:
+        try:
+            ack = self._call("apply", meta)
+        except SyncError:
+            self.sync_state()  # the child may have marked its weights unknown (version -1)
+            raise
+        self._version = ack.version
+        return ack
+
+    def export(self):
+        """(meta, arena): the child's weights as a full payload in the shared arena."""
+        spec = self.sync_state().spec
+        self.arena(sum(s.nbytes for s in spec.values()) + 256 * len(spec) * 8)
+        return self._call("export"), self._arena.tensor
+
+    # --- process plumbing -------------------------------------------------------------------
+    def _call(self, cmd: str, *args):
+        if self._proc is None:
+            raise EngineProcessError("the engine process is closed")
+        try:
+            self._conn.send((cmd, args))
+        except (BrokenPipeError, OSError) as e:
+            raise self._died() from e
+        return self._recv()
+
+    def _recv(self):
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._died() from e
+        if reply[0] == "ok":
+            return reply[1]
+        _, name, message, tb = reply
+        if name in BY_NAME:
+            raise BY_NAME[name](message)
+        raise EngineProcessError(f"{name} in the engine process: {message}\n{tb}")
+
+    def _died(self) -> EngineProcessError:
+        self._proc.join(timeout=5)
+        return EngineProcessError(f"the engine process died (exit code {self._proc.exitcode}); "
+                                  f"a killed process (-9) usually means out of memory")
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(("close", ()))
+            self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        self._proc = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _build_engine_in_child(init: dict):
+    from rollwise.engine import Engine
+    torch.set_num_threads(init["threads"])
+    with torch.device("meta"):  # the weights come in the first full payload
+        model = init["cls"](init["config"])
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty unties shared parameters
+    own = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, w in init["buffers"].items():
+            own[name].copy_(_unwire(w))
+    if init["dtype"] is not None:
+        model.to(to_dtype(init["dtype"]))
+    engine = Engine(model, copy_model=False, **init["engine_kwargs"])
+    engine.version = -1  # no weights yet
+    return engine
+
+
+def _child_main(conn, init: dict) -> None:
+    try:
+        engine = _build_engine_in_child(init)
+        receiver = Receiver(engine)
+        conn.send(("ok", None))
+    except Exception as e:
+        conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        return
+    arena: SharedArena | None = None
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if cmd == "close":
+            conn.send(("ok", None))
+            break
+        try:
+            if cmd == "attach":
+                if arena is not None:
+                    arena.close()
+                arena = SharedArena(args[1], name=args[0])
+                out = None
+            elif cmd == "state":
+                out = receiver.state()
+            elif cmd == "apply":
+                out = receiver.apply(args[0], arena.tensor)
+            elif cmd == "export":
+                out, _ = receiver.export(lambda n: arena.tensor[:n])
+            elif cmd == "generate":
+                out = (engine.generate(*args), engine.tokens_generated, engine.version)
+            elif cmd == "call":
+                out = getattr(engine, args[0])(*args[1], **args[2])
+            else:
+                raise ValueError(f"unknown engine-process command {cmd!r}")
+            conn.send(("ok", out))
+        except Exception as e:
+            conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+    if arena is not None:
+        arena.close()
+
+
+def build_engine(cfg, model, *, pad_id: int):
+    """The engine `cfg.sync` asks for: in this process, or in a child process
+    (`sync.transport=process`), with weights in `sync.engine_dtype`."""
+    from rollwise.engine import Engine
+    kwargs = dict(pad_id=pad_id, max_batch=cfg.engine.max_batch, seed=cfg.run.seed)
+    dtype = None if cfg.sync.engine_dtype == "same" else to_dtype(cfg.sync.engine_dtype)
+    if cfg.sync.transport == "process":
+        return EngineProcess(model, dtype=dtype, **kwargs)
+    engine = Engine(model, **kwargs)
+    if dtype is not None:
+        engine.model.to(dtype)
+    return engine

@@ -1,0 +1,176 @@
+"""SparseRL-Sync payloads: applying the sparse payloads to a copy of the engine's old weights
+gives the trainer's weights bit for bit (integer views), for random change masks over k steps;
+the changed-index set equals a naive per-element reference; full and sparse agree; the bucket
+layout round-trips."""
+
+import pickle
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from rollwise.sync import payload as P
+from rollwise.sync.receiver import Receiver
+from rollwise.sync.sender import Sender
+from rollwise.sync.transport import GrowingBuffer
+
+
+class Holder:
+    """The smallest engine: a module holding `p.<name>` tensors, and a version."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int = 0):
+        self.model = torch.nn.Module()
+        self.model.p = torch.nn.ParameterDict(
+            {n.removeprefix("p."): torch.nn.Parameter(t.clone(), requires_grad=False)
+             for n, t in tensors.items()})
+        self.version = version
+
+
+def named(holder: Holder) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in holder.model.state_dict().items()}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(P.bits(a.contiguous()), P.bits(b.contiguous()))
+
+
+def new_sync(tensors, *, bucket_bytes=2**20, checksum=True):
+    engine = Holder(tensors)
+    receiver = Receiver(engine)
+    spec = receiver.state().spec
+    sender = Sender(spec, keep_mirror=True, with_checksum=checksum, bucket_bytes=bucket_bytes)
+    return engine, receiver, sender
+
+
+def push(sender, receiver, weights, version, full=False, buf=None):
+    buf = buf or GrowingBuffer()
+    meta, arena = sender.encode(weights, version, buf.take, full=full)
+    meta = pickle.loads(pickle.dumps(meta))  # what crosses a process boundary
+    receiver.apply(meta, arena)
+    return meta, arena
+
+
+def change(t: torch.Tensor, mask: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+    """New values at the masked positions: small relative nudges (the RL case, many of which
+    round back to the same stored value), sign flips, -0.0, and fresh random values."""
+    out = t.clone().reshape(-1)
+    idx = torch.from_numpy(np.flatnonzero(mask))
+    kind = torch.from_numpy(rng.integers(0, 4, size=len(idx)))
+    old = out[idx].float()
+    nudged = old * (1 + torch.from_numpy(rng.normal(0, 1e-3, len(idx))).float())
+    fresh = torch.from_numpy(rng.normal(0, 1, len(idx))).float()
+    new = torch.where(kind == 0, nudged, torch.where(kind == 1, -old, torch.where(
+        kind == 2, torch.full_like(old, -0.0), fresh)))
+    out[idx] = new.to(t.dtype)
+    return out.reshape(t.shape)
+
+
+shapes = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       shape_list=st.lists(shapes, min_size=1, max_size=4),
+       steps=st.integers(1, 4), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31))
+def test_sparse_payloads_reproduce_the_trainer_bit_for_bit(dtype, shape_list, steps, density,
+                                                           seed):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    weights = {f"p.t{i}": torch.randn(s).to(dtype) for i, s in enumerate(shape_list)}
+    engine, receiver, sender = new_sync(weights)
+    push(sender, receiver, weights, 0, full=True)
+    old = {n: t.clone() for n, t in named(engine).items()}
+    for _ in range(steps):  # k optimizer steps between two syncs: their index sets are united
+        weights = {n: change(t, rng.random(t.numel()) < density, rng) for n, t in weights.items()}
+    meta, arena = push(sender, receiver, weights, steps)
+    got = named(engine)
+    for n, w in weights.items():
+        assert same_bits(got[n], w)
+    # the carried indices are exactly the elements whose stored bits differ (naive reference)
+    views = P.entry_views(meta, arena)
+    for name, w in weights.items():
+        a = P.bits(old[name]).reshape(-1).numpy()
+        b = P.bits(w).reshape(-1).numpy()
+        expected = [j for j in range(a.size) if a[j] != b[j]]
+        if not expected:
+            assert name not in views  # unchanged tensors are dropped
+            continue
+        values, indices = views[name]
+        if indices is None:  # denser than break-even: sent whole
+            assert not P.sparse_wins(len(expected), w.numel(), w.element_size(), 4)
+            assert same_bits(values, w.reshape(-1))
+        else:
+            assert indices.tolist() == expected and indices.dtype == torch.int32
+            assert P.sparse_wins(len(expected), w.numel(), w.element_size(), 4)
+    assert meta.changed == sum(int((P.bits(old[n]) != P.bits(w)).sum())
+                               for n, w in weights.items())
+    assert engine.version == steps
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), density=st.floats(0.0, 0.5))
+def test_full_and_sparse_payloads_agree(seed, density):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    w0 = {"p.a": torch.randn(33, 17).bfloat16(), "p.b": torch.randn(300).bfloat16()}
+    e_sparse, r_sparse, s_sparse = new_sync(w0)
+    e_full, r_full, s_full = new_sync(w0)
+    push(s_sparse, r_sparse, w0, 0)
+    w1 = {n: change(t, rng.random(t.numel()) < density, rng) for n, t in w0.items()}
+    m_sparse, _ = push(s_sparse, r_sparse, w1, 1)
+    m_full, _ = push(s_full, r_full, w1, 1, full=True)
+    assert m_sparse.kind == "sparse" and m_full.kind == "full"
+    assert m_sparse.checksums == m_full.checksums
+    for n, t in named(e_full).items():
+        assert same_bits(named(e_sparse)[n], t)
+
+
+def test_bucket_layout_is_padded_aligned_and_split_by_size():
+    items = [P.Item(f"w{i}", "bfloat16", 1000, False) for i in range(5)]
+    items += [P.Item("s", "float32", 10, True, "int32"), P.Item("e", "bfloat16", 0, True, "int32")]
+    meta = P.plan(items, kind="sparse", sender="x", base_version=0, version=1,
+                  bucket_bytes=2500 * 2)
+    meta = pickle.loads(pickle.dumps(meta))
+    assert [e.name for e in meta.entries] == ["w0", "w1", "w2", "w3", "w4", "s"]  # empty dropped
+    dense = [b for b in meta.buckets if b.index_dtype is None]
+    assert [b.count for b in dense] == [2000, 2000, 1000]  # closed before passing 2500 elements
+    for b in meta.buckets:
+        assert b.padded % P.PAD == 0 and b.padded >= b.count
+        assert b.values_at % 256 == 0 and (b.indices_at is None or b.indices_at % 256 == 0)
+    assert meta.nbytes == sum(b.nbytes for b in meta.buckets)
+    arena = torch.arange(meta.nbytes, dtype=torch.int64).to(torch.uint8)
+    views = P.entry_views(meta, arena)
+    assert views["w3"][0].numel() == 1000 and views["s"][1].dtype == torch.int32
+    # regions do not overlap: write a distinct value per tensor, read each back
+    for k, (v, _) in enumerate(views.values()):
+        v.fill_(k + 1)
+    assert [int(v[0]) for v, _ in views.values()] == list(range(1, 7))
+
+
+def test_tensors_over_the_int32_limit_get_int64_indices(monkeypatch):
+    assert P.index_dtype(2**31 - 1) == torch.int32 and P.index_dtype(2**31) == torch.int64
+    monkeypatch.setattr(P, "INT32_MAX", 50)  # stands for 2**31 - 1 without 4 GiB tensors
+    w0 = {"p.small": torch.zeros(40), "p.big": torch.zeros(200)}
+    engine, receiver, sender = new_sync(w0)
+    push(sender, receiver, w0, 0)
+    w1 = {n: t.clone() for n, t in w0.items()}
+    w1["p.small"][[3, 7]] = 1.0
+    w1["p.big"][[0, 199]] = 2.0
+    meta, arena = push(sender, receiver, w1, 1)
+    views = P.entry_views(meta, arena)
+    assert views["p.small"][1].dtype == torch.int32
+    assert views["p.big"][1].dtype == torch.int64 and views["p.big"][1].tolist() == [0, 199]
+    assert same_bits(named(engine)["p.big"], w1["p.big"])
+
+
+def test_tied_weights_travel_once(tiny):
+    import copy
+    model, _ = tiny
+    engine_model = copy.deepcopy(model)
+    sd = engine_model.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+    unique = P.unique_tensors(sd)
+    assert "model.embed_tokens.weight" in unique and "lm_head.weight" not in unique
+    assert len(unique) == len(sd) - 1
