@@ -1,6 +1,8 @@
 """rollwise command line.
 
     rollwise train [--config FILE] [section.key=value ...]
+    rollwise train --resume RUN [section.key=value ...]
+    rollwise rollouts RUN [--step A:B] [--status S] [--export FILE|DIR]
     rollwise sft | eval | generate | config show | bench NAME
     rollwise report RUN [RUN ...] [--out FILE]
 """
@@ -29,7 +31,19 @@ def _load(args) -> Config:
 
 def cmd_train(args) -> int:
     from rollwise.loop.sync import train
-    train(_load(args))
+    if args.resume is None:
+        train(_load(args))
+        return 0
+    run = Path(args.resume)
+    if args.config:
+        raise ConfigError("--resume uses the run's own config.yaml; give changes as "
+                          "section.key=value overrides instead of --config")
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"--resume {run}: no config.yaml there; give a run directory, "
+                          f"e.g. runs/default")
+    cfg = load_config(run / "config.yaml", args.overrides)
+    cfg.run.root, cfg.run.name = str(run.parent), run.name
+    train(cfg, resume=True)
     return 0
 
 
@@ -112,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="RL training (warm start first when no model is given)")
     _config_args(p)
+    p.add_argument("--resume", metavar="RUN", help="continue the run in directory RUN from "
+                                                   "its newest intact checkpoint")
     p.set_defaults(fn=cmd_train)
+    from rollwise.store.browse import add_parser as add_rollouts_parser
+    add_rollouts_parser(sub)
     p = sub.add_parser("sft", help="supervised warm start on the task's worked solutions")
     _config_args(p)
     p.add_argument("--out", help="output model folder (default runs/<name>-sft)")

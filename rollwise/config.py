@@ -42,6 +42,9 @@ class TaskConfig(Section):
     """Held-out prompts, split across tiers in the same shares as the train mix."""
     seed: int = 1234
     """Problem-set seed; independent of run.seed so every run sees the same problems."""
+    filler_mean: float = Field(0.0, ge=0)
+    """Built-in tiers: mean number of '.' "thinking" tokens before the answer in the worked
+    solutions (geometric), which makes response lengths long-tailed; 0: none."""
     path: str | None = None
     """For name='file': a .jsonl or .parquet file of (prompt, answer) rows."""
     eval_path: str | None = None
@@ -120,6 +123,11 @@ class ControlConfig(Section):
     """DPS / Thompson: per-update decay of the per-prompt counts toward their prior."""
     target_success: float = Field(0.5, gt=0, lt=1)
     """Thompson: pick prompts whose sampled success rate is closest to this."""
+    inflight: Literal["none", "april"] = "none"
+    """In-flight control. april: partial rollouts (stop at prompts_per_step complete groups,
+    pause the rest, resume them first next step)."""
+    over_provision: float = Field(2.0, ge=1)
+    """APRIL: groups in flight per group wanted."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: refill until prompts_per_step groups have mixed rewards."""
     max_rounds: int = Field(8, ge=1)
@@ -128,6 +136,20 @@ class ControlConfig(Section):
 
 class ReplayConfig(Section):
     enabled: bool = False
+    """Rollout replay (DOTS RR, METHODS.md §2.8): fill `share` of each batch's prompt slots
+    with groups drawn from a buffer of recent ones instead of generating them. Pair it with
+    train.correction.mode=tis (the decoupled clip) so stale tokens are corrected."""
+    share: float = Field(0.5, ge=0, lt=1)
+    """Share of prompts_per_step taken from the buffer (once it holds enough groups)."""
+    capacity: int = Field(512, gt=0)
+    """Most groups kept: the latest group of each prompt, the oldest evicted first."""
+    max_staleness: int | None = Field(8, ge=0)
+    """Never replay a group whose oldest token is more than this many policy versions old."""
+    curriculum: str = "none"
+    """Pool hook over per-prompt statistics: none, frontier, or 'package.module:function'
+    called as fn(pool, stats, step) -> prompts (rollwise.stages.replay.curriculum)."""
+    curriculum_keep: float = Field(0.25, gt=0, le=1)
+    """frontier: share of the pool kept, closest to a success rate of 1/2."""
 
 
 class CorrectionConfig(Section):
@@ -225,9 +247,9 @@ class TrainConfig(Section):
 
 
 class SFTConfig(Section):
-    steps: int = Field(1200, ge=0)
+    steps: int = Field(2000, ge=0)
     batch_size: int = Field(64, gt=0)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
     noise: float = Field(0.6, ge=0, le=1)
     """Share of worked solutions whose top answer digit is off by one, so RL has work to do."""
     eval_every: int = Field(100, gt=0)
@@ -273,6 +295,11 @@ class RunConfig(Section):
     returns an object with write(step, metrics) and close() (rollwise.report.sinks)."""
     report: bool = True
     """Write <run>/report.html (plots of the run) at the end of the run."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Checkpoint every N steps (and at the end, and on Ctrl-C after the step finishes);
+    0: only at the end and on Ctrl-C. `rollwise train --resume RUN` continues from the last."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept (the newest)."""
 
 
 class Config(Section):

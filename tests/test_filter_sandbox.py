@@ -11,6 +11,7 @@ At the end no sandboxed process is alive and no file outside the sandbox has cha
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -265,3 +266,33 @@ def test_ordinary_programs_work_and_clean_up(world):
     r = run_python(code, stdin="1 2 3\n", limits=SandboxLimits(tmp_root=world["root"]))
     assert r.status == "ok" and r.stdout.strip() == "6", r
     assert os.listdir(world["root"]) == []
+
+
+IN_WORKER = """
+import json, sys
+from rollwise.stages.filter.sandbox import SandboxLimits, run_python
+limits = SandboxLimits(timeout_s=2.0, cpu_s=1, memory_mb=256, max_processes=8,
+                       guard=False, tmp_root=sys.argv[1])
+print(json.dumps([run_python(code, limits=limits, in_process=True).__dict__
+                  for code in json.loads(sys.stdin.read())]))
+"""
+
+
+def test_in_process_supervision_also_cleans_up(world):
+    """A pool worker supervises its sandboxes itself (one interpreter start less per run):
+    the same kernel containment, run from a fresh single-threaded process as the worker is."""
+    need(world, False, "nproc")
+    daemon = ("import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+              "    if os.fork() == 0:\n        os.write(w, str(os.getpid()).encode())\n"
+              "        time.sleep(600)\n    os._exit(0)\nprint(os.read(r, 32).decode())\n")
+    attacks = [daemon, "import os\nwhile True:\n    os.fork()\n", "import time\ntime.sleep(60)\n",
+               "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"]
+    proc = subprocess.run([sys.executable, "-c", IN_WORKER, world["root"]], input=json.dumps(attacks),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the supervising process survived
+    daemon_r, bomb_r, sleep_r, kill_r = json.loads(proc.stdout)
+    assert daemon_r["status"] == "ok" and daemon_r["leftovers_killed"] >= 1
+    assert not _alive(int(daemon_r["stdout"].strip()))
+    assert bomb_r["status"] in ("error", "cpu_time", "timeout")
+    assert sleep_r["status"] == "timeout"
+    assert kill_r["status"] == "error" and "ermission" in kill_r["reason"]

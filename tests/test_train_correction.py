@@ -85,7 +85,8 @@ CORRECTED = [
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "dual_clip", "gspo"])
-@pytest.mark.parametrize("options", CORRECTED, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("options", CORRECTED,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_on_policy_at_staleness_zero_corrected_equals_uncorrected(tiny, loss, options):
     model, tok = tiny
     groups = make_groups(model, tok, n_prompts=2, group_size=4)

@@ -15,6 +15,7 @@ Each run's metrics.jsonl lands under --root, so `rollwise report <root>/rollwise
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -73,6 +74,7 @@ def run_rollwise(cfg: Config, target: float) -> dict:
 
 
 def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
+    from transformers import AutoModelForCausalLM
     from rollwise import models
     from rollwise.bench.e2e_trl import run_trl as trl_train
     from rollwise.engine import Engine
@@ -84,7 +86,12 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
     scorer = make_scorer("exact", task)
 
     def eval_fn(model):  # the same held-out greedy pass@1 as rollwise's loop
-        engine = Engine(model, pad_id=tok.pad_token_id, max_batch=cfg.engine.max_batch)
+        # A fresh copy: accelerate wraps the instance's forward in a closure over the
+        # original model, which a deepcopy would keep calling.
+        clone = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+        clone.load_state_dict(model.state_dict())
+        engine = Engine(clone.eval(), pad_id=tok.pad_token_id, max_batch=cfg.engine.max_batch,
+                        copy_model=False)
         return evaluate(engine, tok, task.eval, scorer, cfg.generate.max_new_tokens)
     out_dir = Path(cfg.run.root) / cfg.run.name
     out_dir.mkdir(parents=True, exist_ok=True)

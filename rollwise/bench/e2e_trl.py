@@ -61,6 +61,7 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print
     rollwise's format, so `rollwise report` can overlay the two frameworks."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rollwise.stages.filter import make_scorer
@@ -78,7 +79,7 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print
         temperature=cfg.generate.temperature, top_p=cfg.generate.top_p,
         top_k=cfg.generate.top_k, beta=0.0, num_iterations=cfg.train.epochs,
         epsilon=cfg.train.clip_low, epsilon_high=cfg.train.clip_high, loss_type="grpo",
-        scale_rewards="group", mask_truncated_completions=False, gradient_checkpointing=False,
+        scale_rewards="group", mask_truncated_completions=False, activation_checkpointing=False,
         remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
     reward = make_reward(task, make_scorer("exact", task))
@@ -86,6 +87,7 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=tok, optimizers=rollwise_optimizer(model, cfg, mb),
                           callbacks=[_callback(TrainerCallback, recorder)])
+    trainer.remove_callback(PrinterCallback)  # TRL's per-step dicts; the recorder logs instead
     recorder.start(model)
     trainer.train()
     recorder.close()

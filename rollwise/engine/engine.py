@@ -83,6 +83,7 @@ class Engine:
         self.max_batch = max_batch
         self.version = version
         self.tokens_generated = 0
+        self.prefill_tokens = 0  # prompt (and resumed) tokens run through the model
         self.scheduler = Scheduler(max_batch, kv_budget_tokens=kv_budget_tokens,
                                    max_prefill_tokens=max_prefill_tokens, segment=segment)
         self._seeds = random.Random(seed)
@@ -134,6 +135,7 @@ class Engine:
         logits, hidden = self.runner.forward(plan, want_hidden)
         out = self._sample(seqs, logits, hidden)
         self.tokens_generated += len(seqs)
+        self.prefill_tokens += plan.num_tokens - len(plan.decode)
         return events + self.scheduler.update(plan, out)
 
     def stream(self) -> Iterator[Event]:

@@ -8,9 +8,10 @@ written on transformers' attention interface (Qwen2, Llama, Mistral, ...):
 
 - `SlotCache.update` (the Cache protocol each attention layer calls) writes every row's K/V into
   its sequence's slot at its position and returns the whole layer cache;
-- `slot_attention` (registered as the attention implementation "rollwise_slots") receives the
-  step's `StepLayout` through the attention-mask argument, attends each decode row to its own slot
-  and runs each prefill causally over its slot, all prefills in one padded call.
+- `slot_attention` (registered as the attention implementation "rollwise_slots") reads the
+  step's `StepLayout`, attends each decode row to its own slot and runs each prefill causally over
+  its slot, all prefills in one padded call. The model gets a placeholder 4D mask, which HF's
+  mask preparation passes through untouched.
 
 So a prefill joins the running batch in the same forward pass, and the model's parameters are
 used as they are (weights written into `model.state_dict()` in place take effect at once).
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -46,15 +49,10 @@ class StepLayout:
     positions: torch.Tensor  # (N,) long
 
 
-class _EveryKey(dict):
-    """The attention-mask mapping HF models look up by layer type: every type gets the layout."""
-
-    def __init__(self, layout: StepLayout):
-        super().__init__()
-        self.layout = layout
-
-    def __missing__(self, key):
-        return self.layout
+_ACTIVE = threading.local()  # the StepLayout of the pass running on this thread
+# HF models return a ready 4D mask unchanged (masking_utils); slot_attention ignores it and reads
+# the layout above, so any model's mask preparation is skipped the same way.
+_PLACEHOLDER_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 class SlotCache:
@@ -68,7 +66,6 @@ class SlotCache:
         self.v: dict[int, torch.Tensor] = {}
         self.rows = 0
         self.length = 0
-        self.layout: StepLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +96,7 @@ class SlotCache:
             shape = (self.rows, key.shape[1], self.length, key.shape[3])
             self.k[layer_idx] = key.new_zeros(shape)
             self.v[layer_idx] = value.new_zeros(shape)
-        k, v, lay = self.k[layer_idx], self.v[layer_idx], self.layout
+        k, v, lay = self.k[layer_idx], self.v[layer_idx], _ACTIVE.layout
         k[lay.slots, :, lay.positions] = key[0].transpose(0, 1)  # (N, kv_heads, head_dim)
         v[lay.slots, :, lay.positions] = value[0].transpose(0, 1)
         return k, v
@@ -111,10 +108,9 @@ class SlotCache:
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask, scaling: float | None = None, sliding_window=None,
                    **kwargs):
-    """query (1, heads, N, head_dim); key/value: the layer's whole slot cache; attention_mask:
-    the StepLayout. Returns (1, N, heads, head_dim) as HF attention functions do."""
-    lay: StepLayout = attention_mask.layout if isinstance(attention_mask, _EveryKey) \
-        else attention_mask
+    """query (1, heads, N, head_dim); key/value: the layer's whole slot cache. Returns
+    (1, N, heads, head_dim) as HF attention functions do."""
+    lay: StepLayout = _ACTIVE.layout
     if sliding_window is not None or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         raise NotImplementedError(
             f"{type(module).__name__}: sliding-window, soft-capped or sink attention is not "
@@ -240,14 +236,17 @@ class Runner:
         for src, dst, n in plan.copies:
             self.cache.copy(src, dst, n)
         layout, ids, keep = build_layout(plan, device)
-        self.cache.layout = layout
         self._want_hidden, self._hidden = want_hidden, None
         ids_t = torch.tensor(ids, dtype=torch.long)[None].to(device)
-        with self._slot_attention():
-            out = self.model(input_ids=ids_t, position_ids=layout.positions[None],
-                             attention_mask=_EveryKey(layout), past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=torch.tensor(keep).to(device))
-        self.cache.layout = None
+        _ACTIVE.layout = layout
+        try:
+            with self._slot_attention():
+                out = self.model(input_ids=ids_t, position_ids=layout.positions[None],
+                                 attention_mask=_PLACEHOLDER_MASK.to(device),
+                                 past_key_values=self.cache, use_cache=True,
+                                 logits_to_keep=torch.tensor(keep).to(device))
+        finally:
+            _ACTIVE.layout = None
         for src, dst, n in plan.after_copies:
             self.cache.copy(src, dst, n)
         hidden = self._hidden[0] if want_hidden and self._hidden is not None else None

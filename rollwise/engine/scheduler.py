@@ -92,20 +92,18 @@ class StepPlan:
     """(follower, leader): same prefill ids as a leader prefilled in this pass; the follower
     samples from the leader's logits and gets its K/V copied after the pass (a group's samples
     share one prompt prefill)."""
+    after_copies: list[tuple[int, int, int]] = field(init=False)  # leader -> follower rows
+    num_tokens: int = field(init=False)  # tokens through the model in this pass
+
+    def __post_init__(self):  # fixed now: update() changes the sequences afterwards
+        self.after_copies = [(lead.slot, f.slot, len(lead.prefill_ids))  # type: ignore
+                             for f, lead in self.shared]
+        self.num_tokens = len(self.decode) + sum(len(s.prefill_ids) for s in self.prefill)
 
     @property
     def sequences(self) -> list[Sequence]:
         """Sampled rows, in the order of the runner's outputs."""
         return self.decode + self.prefill + [f for f, _ in self.shared]
-
-    @property
-    def after_copies(self) -> list[tuple[int, int, int]]:
-        return [(lead.slot, f.slot, len(lead.prefill_ids)) for f, lead in self.shared]  # type: ignore
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens through the model in this pass."""
-        return len(self.decode) + sum(len(s.prefill_ids) for s in self.prefill)
 
 
 @dataclass
@@ -297,8 +295,10 @@ class Scheduler:
 
     # ---- control between steps -------------------------------------------------------------
     def abort(self, seq_id: int) -> Sequence:
+        """Stop and free a sequence; its tokens count as reported (the caller gets them)."""
         seq = self.get(seq_id)
         self._finish(seq, SeqStatus.ABORTED, "abort")
+        seq.emitted = len(seq.tokens)
         return seq
 
     def pause(self, seq_id: int) -> Sequence:
@@ -307,6 +307,7 @@ class Scheduler:
         if seq.status is SeqStatus.PAUSED:
             return seq
         self._finish(seq, SeqStatus.PAUSED, "paused")
+        seq.emitted = len(seq.tokens)
         self.paused[seq_id] = seq
         return seq
 

@@ -19,15 +19,20 @@ import torch
 
 from rollwise import models
 from rollwise.config import Config, dump_config
-from rollwise.engine import Engine
 from rollwise.evaluate import evaluate
 from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
 from rollwise.stages.control import build_selector
 from rollwise.stages.filter import build_filter, make_scorer
 from rollwise.stages.generate.group import GroupGenerator
+from rollwise.stages.generate.partial_april import PartialRolloutGenerator
 from rollwise.stages.ledger import Ledger
+from rollwise.stages.replay import (ReplayBuffer, build_curriculum, replay_metrics,
+                                    replay_quota)
+from rollwise.store import checkpoint as ckpt
+from rollwise.store import killpoint
 from rollwise.store.rollouts import RolloutStore
+from rollwise.sync import build_engine, build_sync
 from rollwise.tasks import load_task
 from rollwise.train.sft import warm_start
 from rollwise.train.group_filters import Decision, judge_group
@@ -53,31 +58,39 @@ def initial_model(cfg: Config, task, progress: Progress):
 class Run:
     """Holds the parts of one training run; `step()` is one pass of the loop."""
 
-    def __init__(self, cfg: Config, progress: Progress):
+    def __init__(self, cfg: Config, progress: Progress, resume: bool = False):
         self.cfg, self.progress = cfg, progress
         seed_everything(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.dir = Path(cfg.run.root) / cfg.run.name
-        if self.dir.exists():
+        if self.dir.exists() and not resume:
             progress.log(f"replacing the earlier run in {self.dir}")
             shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(dump_config(cfg))
         self.task = load_task(cfg.task)
         model, self.tokenizer = initial_model(cfg, self.task, progress)
         self.pad_id = self.tokenizer.pad_token_id
         self.trainer = Trainer(model, cfg.train, pad_id=self.pad_id, seed=cfg.run.seed)
-        self.engine = Engine(model, pad_id=self.pad_id, max_batch=cfg.engine.max_batch,
-                             seed=cfg.run.seed)
+        self.engine = build_engine(cfg, model, pad_id=self.pad_id)  # here or a child process
+        self.sync = build_sync(cfg.sync, self.trainer, self.engine)
         self.filter = build_filter(cfg.filter, self.task)
         self.selector = build_selector(cfg.control)
-        self.generator = GroupGenerator(cfg.generate, self.tokenizer)
+        self.generator = (PartialRolloutGenerator(cfg.generate, self.tokenizer,
+                                                  cfg.control.over_provision)
+                          if cfg.control.inflight == "april"
+                          else GroupGenerator(cfg.generate, self.tokenizer))
         self.eval_scorer = make_scorer("exact" if cfg.filter.reward not in ("math_verify",)
                                        else cfg.filter.reward, self.task)
-        self.store = RolloutStore(self.dir / "rollouts")
+        self.store = RolloutStore(self.dir / "rollouts", log=progress.log)  # repairs a crash
+        self.replay = ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness) \
+            if cfg.replay.enabled else None
+        self.curriculum = build_curriculum(cfg.replay)
         self.rng = random.Random(cfg.run.seed)
         self.totals = {"rollouts": 0, "tokens_generated": 0, "tokens_trained": 0}
+        self.current_step = 0
+        killpoint.instrument(self)  # crash tests only (ROLLWISE_KILL_AT)
 
     def evaluate(self) -> dict[str, float]:
         return evaluate(self.engine, self.tokenizer, self.task.eval, self.eval_scorer,
@@ -90,23 +103,33 @@ class Run:
         """One pass of Generate -> Filter -> Control -> Replay, then train and sync."""
         assert self.engine.version == self.trainer.version, "engine holds stale weights"
         t0 = time.time()
-        ledger, m = Ledger(), {}
-        groups, scored = self.collect(step, ledger, m)
+        self.current_step, ledger, m = step, Ledger(), {}
+        replayed = self.take_replay(m)  # Replay: groups reused from the buffer, kept stale
+        groups, scored = self.collect(step, ledger, m,
+                                      self.cfg.control.prompts_per_step - len(replayed))
         m["perf/gen_seconds"] = time.time() - t0
-        self.persist(step, scored)  # every scored sample is on disk before training
+        self.persist(step, scored, {"step_gen_seconds": m["perf/gen_seconds"]})
+        # every scored sample is on disk before training
         # Train, then sync the new weights into the engine
         self.progress.phase("train")
         t1 = time.time()
+        groups = groups + replayed
         m.update(self.trainer.update(groups))
         m["perf/train_seconds"] = time.time() - t1
         self.progress.phase("sync")
-        self.engine.load_weights(self.trainer.weights(), self.trainer.version)
+        m.update(self.sync.push())
         # Control learns from every scored group, kept or not
-        self.selector.observe({g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples))
-                               for g in scored}, step)
+        outcomes = {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples))
+                    for g in scored}
+        self.selector.observe(outcomes, step)
+        if self.curriculum is not None:
+            self.curriculum.observe(outcomes, step)
+        if self.replay is not None:
+            self.replay.put(scored)  # fresh groups with a signal; replayed ones stay as they are
         samples = [s for g in scored for s in g.samples]
         n_gen = sum(s.num_tokens for s in samples)
-        ledger.tokens_to("trained", int(m.get("train/tokens", 0)))
+        # trained tokens of this step's generation (replayed ones are counted under replay/)
+        ledger.tokens_to("trained", int(m.get("train/tokens", 0) - m.get("replay/tokens", 0)))
         self.totals["rollouts"] += len(samples)
         self.totals["tokens_generated"] += n_gen
         self.totals["tokens_trained"] += int(m.get("train/tokens", 0))
@@ -115,6 +138,9 @@ class Run:
             "step": step, "reward/mean": sum(s.reward for s in samples) / len(samples),
             "groups/mixed_share": sum(g.is_mixed for g in scored) / len(scored),
             "groups/scored": len(scored), "groups/trained": len(groups),
+            "tokens/batch": sum(s.num_tokens for g in groups for s in g.samples),
+            "tokens/stale": sum(v < self.trainer.version - 1 for g in groups for s in g.samples
+                                for v in s.versions),
             "tokens/generated": n_gen, "response/length_mean": n_gen / len(samples),
             "samples/total": len(samples),
             "samples/truncated": sum(s.status == Status.TRUNCATED for s in samples),
@@ -123,16 +149,27 @@ class Run:
         })
         return m
 
-    def collect(self, step: int, ledger: Ledger, m: dict) -> tuple[list[Group], list[Group]]:
+    def take_replay(self, m: dict) -> list[Group]:
+        """replay.share of the batch from the buffer, none beyond replay.max_staleness."""
+        if self.replay is None:
+            return []
+        batch, version = self.cfg.control.prompts_per_step, self.trainer.version
+        n = replay_quota(self.cfg.replay.share, batch, self.replay.eligible(version))
+        replayed = self.replay.take(n, version, self.rng)
+        m.update(replay_metrics(replayed, batch, version, self.replay))
+        return replayed
+
+    def collect(self, step: int, ledger: Ledger, m: dict,
+                want: int | None = None) -> tuple[list[Group], list[Group]]:
         """Control picks prompts, Generate samples groups, Filter scores and keeps them. With
-        control.dynamic_sampling, refill until prompts_per_step groups carry a signal (DAPO)."""
+        control.dynamic_sampling, refill until `want` (default prompts_per_step) groups carry a
+        signal (DAPO)."""
         cfg = self.cfg
-        want, kept, scored = cfg.control.prompts_per_step, [], []
+        want = cfg.control.prompts_per_step if want is None else want
+        kept, scored = [], []
         for _ in range(cfg.control.max_rounds if cfg.control.dynamic_sampling else 1):
-            problems = self.selector.select(self.task.train, want - len(kept), self.rng)
-            ledger.decide("control", "select", cfg.control.selector, len(problems))
             self.progress.phase("generate")
-            groups = self.generator.generate(self.engine, problems, step)
+            groups = self.generate(want - len(kept), step, ledger)
             self.progress.phase("score")
             self.score(groups, m)
             scored += groups
@@ -154,6 +191,17 @@ class Run:
             kept = kept[:want]
         return kept, scored
 
+    def generate(self, n: int, step: int, ledger: Ledger) -> list[Group]:
+        """n groups: Control selects prompts, the generator samples them."""
+        def select(k: int):
+            ledger.decide("control", "select", self.cfg.control.selector, k)
+            pool = self.task.train if self.curriculum is None \
+                else self.curriculum.pool(self.task.train, step)
+            return self.selector.select(pool, k, self.rng)
+        if isinstance(self.generator, PartialRolloutGenerator):
+            return self.generator.generate(self.engine, select, n, step, ledger)
+        return self.generator.generate(self.engine, select(n), step)
+
     def score(self, groups: list[Group], m: dict) -> None:
         """Filter: reward every sample (a failing verifier marks its sample failed)."""
         samples = [s for g in groups for s in g.samples]
@@ -162,38 +210,106 @@ class Run:
         for k, v in self.filter.score(samples, problems, texts).items():
             m[k] = m.get(k, 0.0) + v
 
-    def persist(self, step: int, groups: list[Group]) -> None:
+    def persist(self, step: int, groups: list[Group], timings: dict | None = None) -> None:
         samples = [s for g in groups for s in g.samples]
         prompts = [g.problem.prompt for g in groups for _ in g.samples]
-        self.store.append(step, samples, prompts, [self.decode(s.response_ids) for s in samples])
+        self.store.append(step, samples, prompts, [self.decode(s.response_ids) for s in samples],
+                          {**(timings or {}), "written_at": time.time()})
+
+    # ------------------------------------------------------------------ checkpoint and resume
+    def parts(self) -> dict:
+        """The stateful parts beside the trainer: their state_dict goes into checkpoints."""
+        return {"selector": self.selector, "generator": self.generator, "replay": self.replay,
+                "curriculum": self.curriculum, "filter": self.filter}
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs to continue exactly as an uninterrupted run would: model,
+        optimizer, scheduler and version; every RNG (the run's, python, numpy, torch, the
+        engine's seed stream); selector, generator (paused partial rollouts), replay buffer and
+        per-prompt statistics; totals."""
+        return {"trainer": ckpt.trainer_state(self.trainer), "rng": ckpt.rng_state(self.rng),
+                "engine": ckpt.engine_state(self.engine), "totals": dict(self.totals),
+                **{k: p.state_dict() for k, p in self.parts().items()
+                   if hasattr(p, "state_dict")}}
+
+    def load_state_dict(self, state: dict) -> None:
+        ckpt.set_trainer_state(self.trainer, state["trainer"])
+        self.sync.push()  # the engine takes the restored weights and version
+        if not ckpt.set_engine_state(self.engine, state["engine"]):
+            self.progress.log("this engine's seed stream cannot be restored: sampling after "
+                              "the resume differs from an uninterrupted run")
+        ckpt.set_rng_state(state["rng"], self.rng)
+        self.totals = dict(state["totals"])
+        for k, p in self.parts().items():
+            if k in state and hasattr(p, "load_state_dict"):
+                p.load_state_dict(state[k])
+
+    def checkpoint(self, step: int, loop: dict) -> None:
+        ckpt.save(self.dir, step, {"step": step, "loop": loop, **self.state_dict()},
+                  self.cfg.run.keep_checkpoints)
+        self.store.checkpointed(step)
+
+    def restore(self, checkpoint: ckpt.Checkpoint) -> dict:
+        """Load a checkpoint and drop what came after it (rollouts, later checkpoints), so the
+        steps after it are generated again exactly once; returns the loop's saved state."""
+        state = checkpoint.load()
+        self.load_state_dict(state)
+        ckpt.clean(self.dir, checkpoint.step)
+        self.store.truncate(checkpoint.step)
+        self.current_step = checkpoint.step
+        return state["loop"]
 
 
-def train(cfg: Config, progress: Progress | None = None) -> dict:
+def train(cfg: Config, progress: Progress | None = None, resume: bool = False) -> dict:
+    """Train; with resume, continue the run in run.root/run.name from its newest intact
+    checkpoint (starting over when it has none)."""
     progress = progress or Progress(cfg.run.log, cfg.train.steps)
     wall0 = time.time()
-    run = Run(cfg, progress)
+    found = ckpt.latest(Path(cfg.run.root) / cfg.run.name, progress.log) if resume else None
+    if resume and found is None:
+        progress.log("no intact checkpoint to resume from: starting the run over")
+    run = Run(cfg, progress, resume=found is not None)
     progress.log(f"run directory: {run.dir}  ({models.num_params(run.trainer.model) / 1e6:.2f}M "
                  f"parameters, {cfg.train.steps} steps of {cfg.control.prompts_per_step} prompts "
                  f"x {cfg.generate.group_size})")
-    start = run.evaluate()
-    progress.log("held-out pass@1 at start: " + _fmt(start))
-    progress.step(0, start)
-    last_eval = start
-    sinks = build_sinks(cfg, run.dir, log=progress.log)
-    sinks.write(0, {**start, "wall_seconds": time.time() - wall0})
+    if found is None:
+        start = last_eval = run.evaluate()
+        progress.log("held-out pass@1 at start: " + _fmt(start))
+        progress.step(0, start)
+        sinks = build_sinks(cfg, run.dir, log=progress.log)
+        sinks.write(0, {**start, "wall_seconds": time.time() - wall0})
+    else:
+        loop = run.restore(found)
+        start, last_eval, wall0 = loop["start_eval"], loop["last_eval"], wall0 - loop["wall"]
+        progress.log(f"resumed from {found.path} (step {found.step})")
+        sinks = build_sinks(cfg, run.dir, log=progress.log, resume_step=found.step)
     progress.take_phase_seconds()  # warm start and first eval are not step 1's phases
-    for step in range(1, cfg.train.steps + 1):
-        m = run.step(step)
-        if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
-            progress.phase("eval")
-            last_eval = run.evaluate()
-            m.update(last_eval)
-        m.update(progress.take_phase_seconds())
-        m["wall_seconds"] = time.time() - wall0
-        sinks.write(step, m)
-        progress.step(step, m)
+    every, stopped = cfg.run.checkpoint_every, None
+    with ckpt.StopOnInterrupt(progress.log) as stop:
+        for step in range(run.current_step + 1, cfg.train.steps + 1):
+            m = run.step(step)
+            if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
+                progress.phase("eval")
+                last_eval = run.evaluate()
+                m.update(last_eval)
+            m.update(progress.take_phase_seconds())
+            m["wall_seconds"] = time.time() - wall0
+            sinks.write(step, m)
+            progress.step(step, m)
+            if stop.requested or step == cfg.train.steps or (every and step % every == 0):
+                run.checkpoint(step, {"start_eval": start, "last_eval": last_eval,
+                                      "wall": m["wall_seconds"]})
+            if stop.requested:
+                stopped = step
+                break
     sinks.close()
     progress.close()
+    if stopped is not None:
+        getattr(run.engine, "close", lambda: None)()
+        progress.log(f"stopped after step {stopped} (checkpoint saved); continue with "
+                     f"'rollwise train --resume {run.dir}'")
+        return {"stopped_at": stopped, "run_dir": str(run.dir), **run.totals}
+    getattr(run.engine, "close", lambda: None)()  # an engine in a child process
     models.save(run.trainer.model, run.tokenizer, run.dir / "model")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
                "eval_start": start, "eval_end": last_eval, "steps": cfg.train.steps,

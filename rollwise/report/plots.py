@@ -18,8 +18,12 @@ PHASE_ORDER = ["generate", "score", "filter", "control", "replay", "train", "syn
 
 
 def figure(rows: int, cols: int, height: float = 3.2) -> tuple[Figure, list]:
-    fig = Figure(figsize=(4.2 * cols, height * rows), layout="constrained")
+    """A grid of axes with fixed margins in inches (a layout engine would draw twice)."""
+    w, h = 4.2 * cols, height * rows
+    fig = Figure(figsize=(w, h))
     FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=0.75 / w, right=1 - 0.15 / w, bottom=0.55 / h, top=1 - 0.3 / h,
+                        wspace=0.3, hspace=0.45)
     axes = fig.subplots(rows, cols, squeeze=False)
     return fig, [a for row in axes for a in row]
 
@@ -101,7 +105,8 @@ def token_flow(runs: list[RunData]) -> Figure:
         ax.set_title(run.name, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("tokens")
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, max(bottom) * 1.3 or 1)  # headroom for the legend
+        ax.legend(fontsize=7, ncol=3, loc="upper center")
     for ax in axes[len(runs):]:
         ax.set_visible(False)
     return fig
@@ -113,8 +118,9 @@ def _quantile(values: list[int], q: float) -> float:
 
 
 def lengths(runs: list[RunData]) -> Figure:
-    """Response length over time: median and the 10-90 % band (mean where no store)."""
-    fig, axes = figure(1, 1, height=3.4)
+    """Response length over time: median and the 10-90 % band per step (the mean where
+    there is no store), and the length histogram at a few steps."""
+    fig, axes = figure(1, 2, height=3.4)
     ax, drawn = axes[0], False
     for i, run in enumerate(runs):
         if run.lengths:
@@ -131,13 +137,36 @@ def lengths(runs: list[RunData]) -> Figure:
                 ax.plot(steps, ys, color=_color(i), lw=1.5, label=f"{run.name} mean")
                 drawn = True
     if not drawn:
-        _empty(ax, "no response lengths (no rollout store, no response/length_mean)")
-        return fig
-    ax.set_xlabel("step")
-    ax.set_ylabel("response tokens")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+        _empty(ax, "no response lengths recorded")
+    else:
+        ax.set_xlabel("step")
+        ax.set_ylabel("response tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _length_histograms(axes[1], runs)
     return fig
+
+
+def _length_histograms(ax, runs: list[RunData]) -> None:
+    """One run: its first, middle and last step; several: each run's last step."""
+    picks = []  # (label, lengths, colour)
+    if len(runs) == 1 and runs[0].lengths:
+        steps = sorted(runs[0].lengths)
+        chosen = list(dict.fromkeys([steps[0], steps[len(steps) // 2], steps[-1]]))
+        picks = [(f"step {s}", runs[0].lengths[s], COLORS[j]) for j, s in enumerate(chosen)]
+    else:
+        picks = [(f"{r.name}, step {max(r.lengths)}", r.lengths[max(r.lengths)], _color(i))
+                 for i, r in enumerate(runs) if r.lengths]
+    if not picks:
+        _empty(ax, "no rollout store to draw histograms from")
+        return
+    top = max(max(v) for _, v, _ in picks)
+    for label, values, color in picks:
+        ax.hist(values, bins=range(0, top + 2), histtype="step", lw=1.5, color=color,
+                label=label, density=True)
+    ax.set_xlabel("response tokens")
+    ax.set_ylabel("share of samples")
+    ax.legend(fontsize=7)
 
 
 def groups(runs: list[RunData]) -> Figure:

@@ -53,21 +53,31 @@ class Progress:
             self._start_bar()
 
     def _start_bar(self) -> None:
-        from rich.console import Console
+        """Two lines that fit 80 columns: the bar with phase and ETA, then the metrics."""
+        from rich.console import Console, Group
+        from rich.live import Live
         from rich.progress import BarColumn, Progress as RichProgress, TextColumn
-        self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                 TextColumn("{task.fields[phase]:<8}"),
-                                 TextColumn("{task.fields[info]}"),
-                                 TextColumn("eta {task.fields[eta]}"),
-                                 console=Console(file=self.stream), transient=False)
-        self._task = self._bar.add_task("train", total=self.total, phase="", info="", eta="?")
-        self._bar.start()
+        from rich.text import Text
+
+        class Info:  # re-read at each refresh
+            text = ""
+
+            def __rich__(self):
+                return Text(self.text, style="dim")
+        self._info = Info()
+        self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"),
+                                 BarColumn(bar_width=30), TextColumn("{task.fields[phase]:<8}"),
+                                 TextColumn("eta {task.fields[eta]}"))
+        self._task = self._bar.add_task("train", total=self.total, phase="", eta="?")
+        self._live = Live(Group(self._bar, self._info), console=Console(file=self.stream),
+                          refresh_per_second=4, transient=False)
+        self._live.start()
 
     def log(self, msg: str) -> None:
         if self.mode == "quiet":
             return
         if self._bar is not None:
-            self._bar.console.print(msg, markup=False, highlight=False)
+            self._live.console.print(msg, markup=False, highlight=False)
         else:
             print(msg, file=self.stream, flush=True)
 
@@ -113,13 +123,13 @@ class Progress:
         eta = self.eta_seconds(step)
         eta_text = "?" if eta is None else fmt_duration(eta)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=info_line(self.last), eta=eta_text,
-                             phase="")
+            self._info.text = info_line(self.last)
+            self._bar.update(self._task, completed=step, eta=eta_text, phase="")
         elif self.mode == "plain":
             print(f"step {step}/{self.total}  {info_line(self.last)}  eta {eta_text}",
                   file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.stop()
+            self._live.stop()
             self._bar = None

@@ -40,9 +40,16 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
 class JsonlSink:
     """One JSON object per line, flushed at once so a crash keeps every finished step."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, resume_step: int | None = None):
+        """resume_step: continue an existing file, keeping only its rows up to that step
+        (a resumed run writes the later steps again)."""
         self.path = Path(path)
-        self._f = open(self.path, "w")
+        if resume_step is not None and self.path.exists():
+            from rollwise.report.data import read_metrics
+            from rollwise.store.fsio import atomic_write
+            rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        self._f = open(self.path, "a" if resume_step is not None else "w")
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         self._f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -59,10 +66,10 @@ def tensorboard_available() -> bool:
 class TensorBoardSink:
     """Scalars under their metric names in <run>/tensorboard (`tensorboard --logdir runs`)."""
 
-    def __init__(self, logdir: str | Path):
+    def __init__(self, logdir: str | Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
         self.logdir = Path(logdir)
-        self._w = SummaryWriter(log_dir=str(self.logdir))
+        self._w = SummaryWriter(log_dir=str(self.logdir), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         for k, v in scalars(metrics).items():
@@ -129,17 +136,19 @@ class Sinks:
                 self.log(f"metric sink {type(sink).__name__} failed to close: {e}")
 
 
-def build_sinks(cfg, run_dir: str | Path, log=print) -> Sinks:
+def build_sinks(cfg, run_dir: str | Path, log=print, resume_step: int | None = None) -> Sinks:
     """The sinks a run's config asks for; an optional backend that is not installed is
-    skipped with one line of log (W&B only when asked for, TensorBoard when installed)."""
+    skipped with one line of log (W&B only when asked for, TensorBoard when installed).
+    resume_step: a resumed run; metrics.jsonl and TensorBoard drop the steps after it."""
     run_dir, r = Path(run_dir), cfg.run
     extra: list[MetricSink] = []
     if r.tensorboard and tensorboard_available():
-        extra.append(TensorBoardSink(run_dir / "tensorboard"))
+        purge = None if resume_step is None else resume_step + 1
+        extra.append(TensorBoardSink(run_dir / "tensorboard", purge))
     if r.wandb:
         if importlib.util.find_spec("wandb") is None:
             log("run.wandb=true but wandb is not installed (pip install wandb): skipped")
         else:
             extra.append(WandbSink(run_dir, cfg, r.wandb_project))
     extra += [load_user_sink(path, run_dir, cfg) for path in r.sinks]
-    return Sinks(JsonlSink(run_dir / "metrics.jsonl"), extra, log)
+    return Sinks(JsonlSink(run_dir / "metrics.jsonl", resume_step), extra, log)

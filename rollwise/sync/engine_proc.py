@@ -14,6 +14,7 @@ picks in-process or child process from `sync.transport`.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import traceback
 
@@ -65,14 +66,8 @@ class EngineProcess:
     def version(self) -> int:
         return self._version
 
-    @property
-    def model(self):
-        raise AttributeError("the engine's model lives in a child process; read its weights "
-                             "with ProcessTransport(proc).engine_weights()")
-
     def generate(self, requests):
-        completions, self.tokens_generated, self._version = self._call("generate", requests)
-        return completions
+        return self.call("generate", requests)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Full, verified load of these weights (cast to the engine's dtypes)."""
@@ -82,8 +77,20 @@ class EngineProcess:
         self.apply(meta)
 
     def call(self, method: str, *args, **kwargs):
-        """Any other method of the engine, run in the child (arguments and result pickled)."""
-        return self._call("call", method, args, kwargs)
+        """Any method of the engine, run in the child (arguments and result pickled)."""
+        out, self.tokens_generated, self._version = self._call("call", method, args, kwargs)
+        return out
+
+    def __getattr__(self, name: str):
+        """The engine's other public methods (add, step, pause, fork, ...) run in the child."""
+        from rollwise.engine import Engine
+        if name == "model":
+            raise AttributeError("the engine's model lives in a child process; read its weights"
+                                 " with ProcessTransport(proc).engine_weights()")
+        if not name.startswith("_") and callable(getattr(Engine, name, None)):
+            return functools.partial(self.call, name)
+        raise AttributeError(f"EngineProcess has no attribute {name!r}; only the engine's "
+                             f"methods are forwarded to the child process")
 
     # --- the weight-sync side ---------------------------------------------------------------
     def sync_state(self) -> EngineState:
@@ -187,6 +194,7 @@ def _build_engine_in_child(init: dict):
             own[name].copy_(_unwire(w))
     if init["dtype"] is not None:
         model.to(to_dtype(init["dtype"]))
+    model.eval().requires_grad_(False)  # as Engine(copy_model=True) leaves its copy
     engine = Engine(model, copy_model=False, **init["engine_kwargs"])
     engine.version = -1  # no weights yet
     return engine
@@ -221,10 +229,9 @@ def _child_main(conn, init: dict) -> None:
                 out = receiver.apply(args[0], arena.tensor)
             elif cmd == "export":
                 out, _ = receiver.export(lambda n: arena.tensor[:n])
-            elif cmd == "generate":
-                out = (engine.generate(*args), engine.tokens_generated, engine.version)
             elif cmd == "call":
-                out = getattr(engine, args[0])(*args[1], **args[2])
+                out = (getattr(engine, args[0])(*args[1], **args[2]), engine.tokens_generated,
+                       engine.version)
             else:
                 raise ValueError(f"unknown engine-process command {cmd!r}")
             conn.send(("ok", out))

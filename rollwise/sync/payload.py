@@ -13,6 +13,7 @@ elements, as SparseRL-Sync pads each bucket for one aligned collective. And a sm
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass, field
 
@@ -60,6 +61,15 @@ def checksum(t: torch.Tensor) -> int:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return zlib.crc32(flat.contiguous().view(torch.uint8).numpy())
+
+
+def digest(checksums: dict[str, int] | None, sender: str, version: int) -> str:
+    """A name for a set of weights. With checksums it depends on the content only, so any
+    sender holding the same weights builds payloads the engine accepts; without, it is the
+    sender and the version."""
+    if checksums is None:
+        return f"{sender}@{version}"
+    return hashlib.sha256(repr(sorted(checksums.items())).encode()).hexdigest()[:20]
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,8 @@ class PayloadMeta:
     total: int = 0  # elements in the model
     dense_tensors: int = 0  # tensors of a sparse payload sent whole (denser than break-even)
     checksums: dict[str, int] | None = None  # CRC-32 per tensor of the engine's result
+    digest: str = ""  # names the result's weights (see `digest`)
+    base_digest: str | None = None  # names the weights a sparse payload applies to
     seconds: dict[str, float] = field(default_factory=dict)  # sender-side timings
 
 

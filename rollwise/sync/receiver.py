@@ -1,8 +1,9 @@
 """Engine side of weight sync: applies payloads into the engine's model tensors in place.
 
 A sparse payload applies only to the exact weights it was built against: the receiver checks
-that the engine is at the payload's base version *and* was last synced by that sender (an
-engine that restarted, or was loaded through another path, refuses and asks for a full sync).
+that the engine is at the payload's base version *and* holds the weights the payload names as
+its base (the digest of their checksums, recorded at the last verified sync). An engine that
+restarted, failed a sync, or was loaded through another path refuses and asks for a full sync.
 After applying, it recomputes the checksum of every tensor and compares it with the trainer's;
 on any failure past the first write it sets `engine.version = -1`, so no token is ever stamped
 with a version the weights do not have.
@@ -24,7 +25,7 @@ from rollwise.sync.payload import (PayloadMeta, TensorSpec, checksum, dtype_name
 class EngineState:
     spec: dict[str, TensorSpec]  # the engine's tensors, one name per storage
     version: int
-    synced_by: tuple[str, int] | None  # (sender id, version) of the last verified payload
+    held: str | None  # digest of the weights of the last verified payload; None: unknown
 
 
 @dataclass
@@ -36,21 +37,21 @@ class Ack:
 class Receiver:
     def __init__(self, engine):
         self.engine = engine
-        self.synced_by: tuple[str, int] | None = None
+        self.held: str | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The engine's weights, read afresh each time (the engine may rebuild its model)."""
         return unique_tensors(self.engine.model.state_dict())
 
     def state(self) -> EngineState:
-        return EngineState(specs(self.tensors()), self.engine.version, self.synced_by)
+        return EngineState(specs(self.tensors()), self.engine.version, self.held)
 
     def apply(self, meta: PayloadMeta, arena: torch.Tensor) -> Ack:
         t0 = time.perf_counter()
         own = self.tensors()
         self._check_base(meta)
         self._check_fits(meta, own)
-        self.synced_by = None  # until the result is verified
+        self.held = None  # until the result is verified
         try:
             with torch.no_grad():
                 for name, (values, indices) in entry_views(meta, arena).items():
@@ -68,7 +69,7 @@ class Receiver:
             raise CorruptPayloadError(f"applying the payload for version {meta.version} failed "
                                       f"({type(e).__name__}: {e}); send a full sync") from e
         self.engine.version = meta.version
-        self.synced_by = (meta.sender, meta.version)
+        self.held = meta.digest
         t2 = time.perf_counter()
         return Ack(meta.version, {"apply": t1 - t0, "verify": t2 - t1})
 
@@ -88,14 +89,13 @@ class Receiver:
             return
         if meta.kind != "sparse":
             raise CorruptPayloadError(f"unknown payload kind {meta.kind!r}")
-        if self.engine.version != meta.base_version or self.synced_by != (meta.sender,
-                                                                          meta.base_version):
-            how = ("not synced by this trainer since it started or since a failed sync"
-                   if self.synced_by is None or self.synced_by[0] != meta.sender
-                   else f"last synced to version {self.synced_by[1]}")
+        if self.engine.version != meta.base_version or self.held != meta.base_digest:
+            why = ("it has had no verified sync since it started or since a failed one"
+                   if self.held is None else "its weights are not the payload's base"
+                   if self.engine.version == meta.base_version else "versions differ")
             raise StaleEngineError(
-                f"the engine holds version {self.engine.version} ({how}); the sparse payload "
-                f"applies to version {meta.base_version}: a full sync is needed")
+                f"the engine holds version {self.engine.version}, the sparse payload applies to "
+                f"version {meta.base_version} ({why}): a full sync is needed")
 
     def _check_fits(self, meta: PayloadMeta, own: dict[str, torch.Tensor]) -> None:
         """Everything that can be checked before the first write, so a bad payload leaves the

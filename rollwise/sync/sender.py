@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, dtype_name,
-                                   entry_views, index_dtype, plan, sparse_wins, to_dtype)
+from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, digest,
+                                   dtype_name, entry_views, index_dtype, plan, sparse_wins,
+                                   to_dtype)
 
 Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 arena the transport can move
 
@@ -36,6 +37,7 @@ class Sender:
         self.bucket_bytes = bucket_bytes
         self.mirror: dict[str, torch.Tensor] = {}
         self.version: int | None = None  # the version the mirror holds; None: unknown
+        self.digest: str | None = None  # names the weights the mirror holds
         self.total = sum(s.numel for s in spec.values())
         self.full_bytes = sum(s.nbytes for s in spec.values())
         self._crc: dict[str, int] = {}
@@ -49,7 +51,7 @@ class Sender:
 
     def reset(self) -> None:
         """Forget what the engine holds (a refused or failed payload): the next one is full."""
-        self.version = None
+        self.version = self.digest = None
 
     def encode(self, weights: dict[str, torch.Tensor], version: int, alloc: Alloc,
                full: bool) -> tuple[PayloadMeta, torch.Tensor]:
@@ -62,9 +64,11 @@ class Sender:
             for name, t in dirty.items():
                 self._crc[name] = checksum(t)
             meta.checksums = {n: self._crc.get(n, 0) for n in self.spec}
+        meta.digest = digest(meta.checksums, self.id, version)
         meta.total = self.total
         meta.seconds = {"encode": t1 - t0, "checksum": time.perf_counter() - t1}
         self.version = version if self.keep_mirror else None
+        self.digest = meta.digest if self.keep_mirror else None
         return meta, arena
 
     def _weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -119,6 +123,7 @@ class Sender:
             dirty[name] = mirror
         meta = plan(items, kind="sparse", sender=self.id, base_version=self.version,
                     version=version, bucket_bytes=self.bucket_bytes)
+        meta.base_digest = self.digest
         arena = alloc(meta.nbytes)
         for name, (values, indices) in entry_views(meta, arena).items():
             if parts[name] is None:

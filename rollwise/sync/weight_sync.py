@@ -40,12 +40,13 @@ class WeightSync:
                              with_checksum=with_checksum, bucket_bytes=int(bucket_mb * 2**20))
         self.totals = {"syncs": 0, "bytes": 0, "fallbacks": 0}
 
-    def push(self) -> dict[str, float]:
-        """Bring the engine to the trainer's weights and version; returns the sync's metrics."""
+    def push(self, full: bool = False) -> dict[str, float]:
+        """Bring the engine to the trainer's weights and version; returns the sync's metrics.
+        `full=True` sends a full payload even in sparse mode."""
         t0 = time.perf_counter()
         weights, version = self.trainer.weights(), self.trainer.version
         fallback = 0.0
-        full = self.mode == "full" or not self.sender.ready
+        full = full or self.mode == "full" or not self.sender.ready
         try:
             meta, ack = self._send(weights, version, full=full)
         except SyncError as e:

@@ -56,6 +56,7 @@ class ArithTask:
         if total <= 0 or any(w < 0 for w in cfg.tiers.values()):
             raise ValueError(f"task.tiers = {cfg.tiers}: weights must be >= 0 with a positive sum")
         self.weights = {t: w / total for t, w in cfg.tiers.items() if w > 0}
+        self.filler_mean = cfg.filler_mean
         rng = random.Random(cfg.seed)
         self.eval = []
         seen: set[str] = set()
@@ -93,6 +94,15 @@ class ArithTask:
     def noisy_solution(self, problem: Problem, rng: random.Random) -> str:
         return noisy_answer(int(problem.answer), rng)[::-1]
 
+    def worked_solution(self, problem: Problem, rng: random.Random, noisy: bool) -> str:
+        """The SFT target: optional geometric '.' filler, then the (possibly noisy) answer."""
+        answer = self.noisy_solution(problem, rng) if noisy else problem.solution
+        dots = 0
+        if self.filler_mean > 0:  # geometric on {0, 1, ...} with this mean
+            while rng.random() < self.filler_mean / (1 + self.filler_mean):
+                dots += 1
+        return "." * dots + answer
+
     def extract_answer(self, response: str) -> str | None:
-        text = response.strip()
+        text = response.strip().lstrip(".")
         return text[::-1] if text else None

@@ -106,7 +106,7 @@ def _out(adv: torch.Tensor, keep: torch.Tensor | None = None, **metrics) -> Adva
 
 @register_advantage("grpo")
 def grpo(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
-    """GRPO (Shao et al. 2024, DeepSeekMath, §4.1.2 outcome supervision):
+    """GRPO (Shao et al. 2024, DeepSeekMath, eq. 3 with outcome supervision, §4.1.2):
     A_i = (r_i - mean_g r) / (std_g r + eps), std unbiased as in TRL and verl.
     A group with equal rewards gets zeros."""
     r = x.rewards.float()
@@ -116,7 +116,7 @@ def grpo(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
 
 @register_advantage("dr_grpo")
 def dr_grpo(x: AdvantageInputs) -> AdvantageOutput:
-    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3):
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", the Dr.GRPO objective):
     A_i = r_i - mean_g r, with no division by the group std. The other half of Dr.GRPO, no
     1/|o_i| length normalisation, is the loss aggregation `seq-mean-token-sum-norm`."""
     r = x.rewards.float()
@@ -126,7 +126,7 @@ def dr_grpo(x: AdvantageInputs) -> AdvantageOutput:
 
 @register_advantage("rloo")
 def rloo(x: AdvantageInputs) -> AdvantageOutput:
-    """RLOO (Ahmadian et al. 2024, "Back to Basics", eq. 5): leave-one-out baseline
+    """RLOO (Ahmadian et al. 2024, "Back to Basics"; Kool et al. 2019): leave-one-out baseline
     A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean_g r). A group of one gets 0."""
     r = x.rewards.float()
     mean, _ = group_stats(r, x.group_index)
@@ -138,7 +138,7 @@ def rloo(x: AdvantageInputs) -> AdvantageOutput:
 
 @register_advantage("reinforce_pp")
 def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
-    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262, eq. 7-8): no critic, no group baseline;
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): no critic, no group baseline;
     the outcome reward (minus the KL penalty when kl_mode='reward') is whitened over the
     whole batch: A_i = (r_i - mean_B r) / (std_B r + eps)."""
     return _out(whiten(x.rewards.float(), eps))
@@ -146,7 +146,7 @@ def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
 
 @register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
-    """REINFORCE++-baseline (Hu et al. 2025, §3.3): subtract the group mean first, then whiten
+    """REINFORCE++-baseline (Hu et al. 2025): subtract the group mean first, then whiten
     over the batch: A_i = whiten_B(r_i - mean_g r)."""
     r = x.rewards.float()
     mean, _ = group_stats(r, x.group_index)

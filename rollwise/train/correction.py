@@ -19,7 +19,7 @@ The behaviour ratio splits exactly into two factors ("Missing Old Logits", METHO
 With staleness 0 the total is pure mismatch. Without a snapshot of version v the split of a
 stale token is unknown (APRIL's entangled case); it is counted as `unsplit`.
 
-The loss is AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5; METHODS.md §2.8):
+The loss is AReaL's decoupled PPO objective (Fu et al. 2025, arXiv 2505.24298; METHODS.md §2.8):
     loss_t = -w_t * min(r_t A, clip(r_t) A),  r_t = pi / anchor,  w_t = anchor / mu,
 with the anchor either pi_prox (`anchor='proximal'`: w corrects mismatch and staleness) or
 pi_v (`anchor='version'`: the clip handles staleness and w corrects mismatch only). DOTS's
@@ -68,7 +68,7 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str = 
 
     mode 'none': w = 1 (the behaviour policy is taken to be the anchor).
     mode 'tis' (truncated IS; Ionides 2008; Yao et al. 2025, "Your Efficient RL Framework
-      Secretly Brings You Off-Policy RL Training", eq. 3): w = min(rho, high).
+      Secretly Brings You Off-Policy RL Training"): w = min(rho, high).
     mode 'mis' (masked IS, IcePop-style rejection; verl rollout_is 'mask'): w = rho when
       low <= rho <= high, else the token leaves the loss.
     level 'token': rho = exp(log_ratio_t); level 'sequence': rho = exp(sum_t log_ratio_t),

@@ -5,8 +5,8 @@
   before `Trainer.update`.
 - `overlong_keep(samples)`: overlong filtering, DAPO §3.4: a response cut at max_new_tokens
   (Status.TRUNCATED) leaves the loss, instead of being punished for an answer it never wrote.
-- `soft_overlong_penalty(length, ...)`: DAPO eq. 13, a reward that falls linearly from 0 to -1
-  over the last `buffer` tokens of the length budget.
+- `soft_overlong_penalty(length, ...)`: DAPO's soft overlong punishment, a reward that falls
+  linearly from 0 to -1 over the last `buffer` tokens of the length budget.
 
 Every decision carries its reason, and the reasons are counted in the metrics.
 """
@@ -26,7 +26,7 @@ class Decision:
 
 def soft_overlong_penalty(length: int, max_length: int, buffer: int,
                           factor: float = 1.0) -> float:
-    """DAPO eq. 13 (soft overlong punishment), scaled by `factor`:
+    """DAPO's soft overlong punishment R_length(y) (Yu et al. 2025, §3.4), scaled by `factor`:
          0                                   if |y| <= L_max - L_cache
          ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
         -1                                   if |y| > L_max

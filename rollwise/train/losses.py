@@ -95,7 +95,7 @@ def _clipped_surrogate(ratio, adv, p: LossParams) -> torch.Tensor:
 @register_policy_loss("ppo_clip")
 def ppo_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams()):
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with DAPO's decoupled bounds
-    (Yu et al. 2025, eq. 10, "clip-higher"):
+    (Yu et al. 2025, "clip-higher"):
     loss_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A), r_t = exp(logp_t - old_t)."""
     adv = _adv2d(advantages)
     old_logprobs = old_logprobs.detach()
@@ -108,7 +108,7 @@ def ppo_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParam
 
 @register_policy_loss("dual_clip")
 def dual_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams()):
-    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5): for
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for
     A < 0 the objective max(min(r A, clip(r) A), c A) bounds the loss of a token whose ratio
     has grown far above 1, loss_t = min(ppo_loss_t, -c A); A >= 0 is plain PPO-clip."""
     if p.dual_clip_c <= 1:
@@ -132,8 +132,8 @@ def sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
 
 @register_policy_loss("gspo")
 def gspo(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams(0.0003, 0.0004)):
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7 and the
-    GSPO-token form, eq. 13): one ratio per sequence, the geometric mean
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071: the
+    GSPO objective and its GSPO-token form): one ratio per sequence, the geometric mean
     s_i = exp((1/|y_i|) sum_t log(pi/pi_old)), clipped as in PPO (paper: eps 3e-4 / 4e-4).
     Token form: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)], whose value is s_i and whose gradient
     is s_i grad log pi(y_t); with seq-mean-token-mean aggregation this is exactly the
@@ -152,7 +152,7 @@ def gspo(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams(0.
 
 @register_aggregation("token-mean")
 def token_mean(token_loss, mask, *, num_tokens=None, num_seqs=None, norm_length=None):
-    """DAPO (Yu et al. 2025, eq. 12, token-level policy gradient): every token of the batch
+    """DAPO (Yu et al. 2025, token-level policy-gradient loss): every token of the batch
     weighs the same, sum_{i,t} l_it / sum_i |y_i|. Long answers are not down-weighted."""
     n = mask.sum() if num_tokens is None else num_tokens
     return (token_loss * mask).sum() / max(float(n), 1.0)
@@ -171,7 +171,7 @@ def seq_mean_token_mean(token_loss, mask, *, num_tokens=None, num_seqs=None, nor
 @register_aggregation("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(token_loss, mask, *, num_tokens=None, num_seqs=None,
                             norm_length=None):
-    """Dr.GRPO (Liu et al. 2025, eq. 3 and its released code): token sums divided by one
+    """Dr.GRPO (Liu et al. 2025, its objective and released code): token sums divided by one
     constant L (the generation budget) instead of each |y_i|, then mean over sequences,
     (1/G) sum_i (1/L) sum_t l_it. This removes GRPO's length bias."""
     if not norm_length:

@@ -32,8 +32,10 @@ def sft_examples(task: Task, tokenizer, noise: float, seed: int) -> list[tuple[l
     for p in task.train:
         if p.solution is None:
             continue
-        noisy = noise > 0 and hasattr(task, "noisy_solution") and rng.random() < noise
-        solution = task.noisy_solution(p, rng) if noisy else p.solution
+        if hasattr(task, "worked_solution"):  # built-in tiers: noise and filler
+            solution = task.worked_solution(p, rng, noisy=noise > 0 and rng.random() < noise)
+        else:
+            solution = p.solution
         prompt = tokenizer(p.prompt)["input_ids"]
         out.append((prompt + tokenizer(solution)["input_ids"] + [tokenizer.eos_token_id],
                     len(prompt)))

@@ -9,6 +9,7 @@ program come back to it and die with it) without touching the caller. See docs/f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -20,10 +21,20 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _confine  # noqa: E402  (a sibling file, imported without the rollwise package)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-GUARD_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")).read()
+
+def _sibling(name: str):
+    """A sibling file as a module, without the rollwise package or a sys.path change."""
+    spec = importlib.util.spec_from_file_location(f"_rollwise_{name}", os.path.join(HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_confine = _sibling("_confine")
+with open(os.path.join(HERE, "_guard.py")) as _f:
+    GUARD_SOURCE = _f.read()
 SYSTEM_READ = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime",
                "/dev/urandom", "/dev/random", "/dev/zero"]
 
@@ -81,10 +92,19 @@ def describe(p: dict, netns: str | None) -> dict:
             "nproc_enforced": p["nproc_enforced"], "python": p["python"]}
 
 
+_NETNS: list = []  # probed once per process
+
+
 def probe_network(job: dict, p: dict) -> str | None:
     """Which network namespace the child will get (tried in a throwaway fork), or None."""
     if p["network"] == "socket":
         return None
+    if not _NETNS:
+        _NETNS.append(_probe_network())
+    return _NETNS[0]
+
+
+def _probe_network() -> str | None:
     pid = os.fork()
     if pid == 0:
         try:

@@ -47,6 +47,7 @@ class CodeVerifier:
         if mode not in ("all", "fraction"):
             raise ValueError(f"filter.code_reward = {mode!r}: use 'all' or 'fraction'")
         self.limits, self.mode, self.name = limits, mode, name
+        self.in_worker = False  # set by the pool: the worker supervises the sandbox itself
 
     def score(self, items: list[Item]) -> list[Verdict]:
         return [self.score_one(it) for it in items]
@@ -59,7 +60,8 @@ class CodeVerifier:
             raise ValueError(f"problem {it.problem.id}: no 'tests' or 'test_code' in its data")
         passed, total, notes = 0, len(cases) + bool(test_code), []
         for i, case in enumerate(cases, 1):
-            r = run_python(code, stdin=str(case.get("input", "")), limits=self.limits)
+            r = run_python(code, stdin=str(case.get("input", "")), limits=self.limits,
+                           in_process=self.in_worker)
             if r.ok and same_output(r.stdout, str(case["output"])):
                 passed += 1
                 continue
@@ -69,7 +71,8 @@ class CodeVerifier:
             if self.mode == "all":
                 break
         if test_code and (self.mode == "fraction" or not notes):
-            r = run_python(code + "\n\n" + test_code, limits=self.limits)
+            r = run_python(code + "\n\n" + test_code, limits=self.limits,
+                           in_process=self.in_worker)
             if r.ok:
                 passed += 1
             else:

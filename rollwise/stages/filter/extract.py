@@ -89,7 +89,8 @@ def normalize(answer: str | None) -> str | None:
 
 
 def _as_fraction(s: str) -> Fraction | None:
-    m = re.fullmatch(r"\(?(-?\d+(?:\.\d+)?)\)?(?:/\(?(-?\d+(?:\.\d+)?)\)?)?", s)
+    num = r"(-?(?:\d+(?:\.\d*)?|\.\d+))"
+    m = re.fullmatch(rf"\(?{num}\)?(?:/\(?{num}\)?)?", s)
     if not m:
         return None
     try:

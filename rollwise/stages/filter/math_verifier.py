@@ -11,12 +11,16 @@ import threading
 from functools import lru_cache
 
 from rollwise.stages.filter.base import Item, Verdict
+from rollwise.tasks import Problem
 
 
 def _latex(answer: str) -> str:
     """math-verify extracts from LaTeX environments; wrap a bare answer so it parses as one."""
     s = answer.strip()
     return s if "$" in s or "\\boxed" in s or "\\(" in s else f"${s}$"
+
+
+_WARM = Problem("warm", "", "\\frac{1}{2}")
 
 
 class MathVerifier:
@@ -29,6 +33,10 @@ class MathVerifier:
     def __init__(self, timeout_s: float = 5.0, name: str = "math"):
         self.timeout_s, self.name = timeout_s, name
         self.in_worker = False  # set by the pool: the pool's kill replaces math-verify's alarm
+
+    def warm(self) -> None:
+        """Import math-verify and sympy (seconds) before the first timed sample."""
+        self.score([Item("1", _WARM, "1")])
 
     def _timeout(self) -> int | None:
         main = threading.current_thread() is threading.main_thread()

@@ -2,32 +2,42 @@
 timeout. A worker that overruns is killed (its sample fails with `timeout`) and replaced; one
 that dies fails its sample with `crash`; the rest of its queue moves to a fresh worker.
 
-Workers are spawned (never forked: the trainer holds torch threads), receive the verifiers
-once, and live until `close()` or the end of the parent.
+Workers are fresh interpreters (`python -m rollwise.stages.filter.pool`; never forked: the
+trainer holds torch threads, and unlike multiprocessing's spawn they never re-run the
+caller's main script). They receive sys.path and the pickled verifiers once, over a pipe,
+and live until `close()` or the end of the parent (their pipe closes, they exit).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import pickle
+import subprocess
+import sys
 import time
 from collections import deque
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 from rollwise.stages.filter.base import BAD_OUTPUT, CRASH, ERROR, TIMEOUT, Item, Verdict, coerce
 
 STARTUP_TIMEOUT_S = 120.0
 
 
-def _worker(conn, payload: bytes) -> None:
+def _worker(rx: Connection, tx: Connection) -> None:
+    path, payload = rx.recv()
+    sys.path[:] = path  # the parent's, so user verifiers import the same way
     verifiers = pickle.loads(payload)
     for v in verifiers.values():
         if hasattr(v, "in_worker"):
             v.in_worker = True  # e.g. math-verify: no signal.alarm, the pool times us out
-    conn.send("ready")
+        try:  # imports happen before "ready", so they never count against a sample's time
+            getattr(v, "warm", lambda: None)()
+        except Exception:
+            pass  # the sample will fail with the reason when it is scored
+    tx.send("ready")
     while True:
         try:
-            chunk = conn.recv()
+            chunk = rx.recv()
         except EOFError:
             return
         if chunk is None:
@@ -41,24 +51,34 @@ def _worker(conn, payload: bytes) -> None:
             except Exception as e:
                 verdict = Verdict.failure(ERROR, f"{name}: {type(e).__name__}: {e}")
             try:
-                conn.send((idx, verdict))
+                tx.send((idx, verdict))
             except Exception as e:  # e.g. an unpicklable info object
-                conn.send((idx, Verdict.failure(BAD_OUTPUT, f"{name}: {e}")))
+                tx.send((idx, Verdict.failure(BAD_OUTPUT, f"{name}: {e}")))
 
 
 class _Worker:
-    def __init__(self, ctx, payload: bytes):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, payload), daemon=True)
-        self.proc.start()
-        child.close()
+    def __init__(self, payload: bytes):
+        from_parent, to_child = os.pipe()  # (read end, write end)
+        from_child, to_parent = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollwise.stages.filter.pool", str(from_parent),
+             str(to_parent)], pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL)
+        os.close(from_parent)
+        os.close(to_parent)
+        self.send_conn, self.conn = Connection(to_child, readable=False), Connection(from_child,
+                                                                                     writable=False)
+        self.send_conn.send((list(sys.path), payload))
         self.inflight: deque[tuple[int, str, Item]] = deque()
         self.deadline = float("inf")
 
+    def send(self, obj) -> None:
+        self.send_conn.send(obj)
+
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.join(5)
+        self.proc.wait(5)
         self.conn.close()
+        self.send_conn.close()
 
 
 class VerifierPool:
@@ -69,12 +89,11 @@ class VerifierPool:
             raise ValueError(f"a verifier cannot be sent to worker processes ({e}); set "
                              "filter.workers=0 to run verifiers in-process") from e
         self.n, self.timeout_s = workers, timeout_s
-        self.ctx = mp.get_context("spawn")
         self.workers: list[_Worker] = []
         self.restarts = 0
 
     def _spawn(self) -> _Worker:
-        w = _Worker(self.ctx, self.payload)
+        w = _Worker(self.payload)
         if not w.conn.poll(STARTUP_TIMEOUT_S) or w.conn.recv() != "ready":
             w.kill()
             raise RuntimeError("a verifier worker did not start")
@@ -94,13 +113,13 @@ class VerifierPool:
             for w in self.workers:
                 if not w.inflight and queue:
                     w.inflight.extend(queue.popleft() for _ in range(min(chunk, len(queue))))
-                    w.conn.send(list(w.inflight))
+                    w.send(list(w.inflight))
                     w.deadline = time.monotonic() + self.timeout_s
             busy = [w for w in self.workers if w.inflight]
             timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout)
+            ready = wait([w.conn for w in busy], timeout)  # a dead worker's pipe is readable
             for w in busy:
-                if w.conn in ready or w.proc.sentinel in ready:
+                if w.conn in ready:
                     self._receive(w, results, queue)
             for w in list(self.workers):
                 if w.inflight and time.monotonic() > w.deadline:
@@ -120,7 +139,7 @@ class VerifierPool:
         except (EOFError, OSError):
             if w.inflight:
                 idx, name, _ = w.inflight.popleft()
-                code = w.proc.exitcode
+                code = w.proc.wait(5)
                 results[idx] = Verdict.failure(CRASH, f"{name}: the worker died (exit {code})")
             self._replace(w, queue)
 
@@ -135,10 +154,20 @@ class VerifierPool:
     def close(self) -> None:
         for w in self.workers:
             try:
-                w.conn.send(None)
-            except OSError:
+                w.send(None)
+                w.proc.wait(2)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
-            w.proc.join(2)
-            if w.proc.is_alive():
-                w.kill()
+            w.kill()
         self.workers = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+if __name__ == "__main__":
+    _worker(Connection(int(sys.argv[1]), writable=False),
+            Connection(int(sys.argv[2]), readable=False))

@@ -41,6 +41,9 @@ class FunctionVerifier:
             self._fn = import_object(self.path)
         return self._fn
 
+    def warm(self) -> None:
+        self.fn
+
     def __getstate__(self):
         return {"path": self.path, "name": self.name, "_fn": None}
 

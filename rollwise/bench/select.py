@@ -1,0 +1,99 @@
+"""Prompt selection: uniform, DAPO dynamic sampling, Thompson (MoPPS) and DPS.
+
+    rollwise bench select [--seeds 0 1 2] [--target 0.5] [--max-steps 200] [key=value ...]
+
+Each method trains from the same warm start on a small pool of prompts that recur (so
+per-prompt statistics can be learned), most of them solved or out of reach. Reported per
+method: the share of generated groups with mixed rewards, and the rollouts (samples generated)
+needed until held-out pass@1 first reaches the target, median over seeds. A run that never
+reaches it counts as not reached (its rollouts at max steps are shown with '>').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from rollwise.config import load_config
+
+METHODS = {
+    "uniform": ["control.selector=uniform"],
+    "dynamic": ["control.selector=uniform", "control.dynamic_sampling=true"],
+    "thompson": ["control.selector=thompson"],
+    "dps": ["control.selector=dps"],
+}
+DEFAULTS = ["task.train_size=512", "run.log=quiet", "run.report=false", "run.eval_every=1000"]
+
+
+def run_method(base: list[str], method: str, seed: int, target: float, max_steps: int,
+               eval_every: int, root: str, init: str) -> dict:
+    from rollwise.loop.sync import Run
+    from rollwise.report.progress import Progress
+    cfg = load_config(None, base + METHODS[method] + [
+        f"run.seed={seed}", f"train.steps={max_steps}", f"run.root={root}",
+        f"run.name=select-{method}-{seed}", f"run.init={init}"])
+    run = Run(cfg, Progress("quiet"))
+    mixed = scored = 0
+    reached, curve = None, []
+    for step in range(1, max_steps + 1):
+        m = run.step(step)
+        mixed += m["groups/mixed_share"] * m["groups/scored"]
+        scored += m["groups/scored"]
+        if step % eval_every == 0:
+            p1 = run.evaluate()["eval/pass1"]
+            curve.append((step, run.totals["rollouts"], p1))
+            if p1 >= target:
+                reached = {"step": step, "rollouts": run.totals["rollouts"]}
+                break
+    return {"method": method, "seed": seed, "mixed_share": mixed / scored, "reached": reached,
+            "rollouts_total": run.totals["rollouts"], "curve": curve}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rollwise bench select", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--target", type=float, default=0.5)
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--root", default="runs/bench-select")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    from rollwise import models
+    from rollwise.tasks import load_task
+    from rollwise.train.sft import warm_start
+    base = DEFAULTS + args.overrides
+    cfg = load_config(None, base + [f"run.root={args.root}"])
+    model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
+    init = f"{args.root}/warm-start"
+    models.save(model, tok, init)
+    rows = [run_method(base, m, s, args.target, args.max_steps, args.eval_every, args.root,
+                       init) for s in args.seeds for m in args.methods]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"target held-out pass@1 {args.target}, seeds {args.seeds}, at most "
+          f"{args.max_steps} steps\n")
+    print("| method | mixed-reward groups | rollouts to target (median) | steps to target "
+          "(median) | reached |")
+    print("|---|---|---|---|---|")
+    medians = {}
+    for m in args.methods:
+        rs = [r for r in rows if r["method"] == m]
+        need = [r["reached"]["rollouts"] if r["reached"] else float("inf") for r in rs]
+        steps = [r["reached"]["step"] if r["reached"] else float("inf") for r in rs]
+        medians[m] = statistics.median(need)
+        shown = (f"{medians[m]:.0f}" if medians[m] != float("inf")
+                 else f">{max(r['rollouts_total'] for r in rs)}")
+        st = statistics.median(steps)
+        print(f"| {m} | {statistics.mean(r['mixed_share'] for r in rs):.2f} | {shown} | "
+              f"{st if st != float('inf') else '-'} | {sum(bool(r['reached']) for r in rs)}/"
+              f"{len(rs)} |")
+    if "dps" in medians and "dynamic" in medians and medians["dynamic"] != float("inf"):
+        print(f"\nDPS / dynamic sampling rollouts: {medians['dps'] / medians['dynamic']:.2f}")
+    if "dps" in medians and "uniform" in medians and medians["uniform"] != float("inf"):
+        print(f"DPS / uniform rollouts: {medians['dps'] / medians['uniform']:.2f}")
+    return 0

@@ -1,0 +1,36 @@
+"""User verifiers for tests/test_filter_*.py, named by import path ('filter_userfns:flaky').
+
+Kept free of heavy imports (no torch): the Filter stage's worker processes import this
+module by name, and every fresh worker pays for what it imports."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rollwise.stages.filter.base import Verdict
+
+
+def flaky(response: str, problem):
+    """Misbehaves on command: hangs, dies, raises, or returns garbage."""
+    if response == "hang":
+        time.sleep(600)
+    if response == "die":
+        os._exit(3)
+    if response == "raise":
+        raise ValueError("boom")
+    if response == "garbage":
+        return "not a number"
+    if response == "nan":
+        return float("nan")
+    return float(response == problem.answer[::-1]), "checked"
+
+
+class LengthChannels:
+    """A user verifier class (the batch protocol) that fills two channels."""
+
+    name = "chars"
+
+    def score(self, items):
+        return [Verdict({"chars": float(len(it.text)), "even": float(len(it.text) % 2 == 0)},
+                        "counted") for it in items]

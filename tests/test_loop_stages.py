@@ -1,0 +1,56 @@
+"""The GFCR step with its Control options: dynamic sampling refills to a full batch, APRIL
+carries partial groups, and every decision is counted with its reason."""
+
+import json
+
+import pytest
+
+from rollwise.config import load_config
+from rollwise.loop.sync import train
+from rollwise.store.rollouts import RolloutStore
+from tests.test_loop import SMALL
+
+
+def coin_reward(response, problem):
+    """Deterministic 0/1 from the text, so groups are often mixed even for a random model."""
+    return float(sum(map(ord, response + problem.id)) % 2), "coin"
+
+
+def run(tmp_path, name, *extra):
+    cfg = load_config(None, SMALL + [f"run.root={tmp_path}", f"run.name={name}",
+                                     "filter.reward=tests.test_loop_stages:coin_reward",
+                                     "run.report=false", *extra])
+    summary = train(cfg)
+    lines = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")][1:]
+    return summary, lines, RolloutStore(tmp_path / name / "rollouts").samples()
+
+
+def test_dynamic_sampling_trains_on_a_full_batch_of_mixed_groups(tmp_path):
+    _, lines, samples = run(tmp_path, "ds", "control.dynamic_sampling=true",
+                            "control.max_rounds=10")
+    for m in lines:
+        assert m["groups/trained"] == 6  # control.prompts_per_step in SMALL
+        dropped = sum(v for k, v in m.items() if k.startswith("decisions/filter/drop/"))
+        assert m["groups/scored"] == m["groups/trained"] + dropped
+        assert m["decisions/control/select/uniform"] == m["groups/scored"]
+    assert len(samples) == sum(m["samples/total"] for m in lines)
+
+
+def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tmp_path):
+    summary, lines, samples = run(tmp_path, "april", "control.inflight=april",
+                                  "generate.max_new_tokens=12")
+    uids = [s.uid for s in samples]
+    assert len(uids) == len(set(uids))
+    assert all(s.finished for s in samples)
+    for m in lines:
+        assert m["groups/scored"] == 6
+        assert "tokens/paused_carried" in m
+    # stale tokens exist once carried samples finish under newer weights
+    assert any(v < s.step - 1 for s in samples for v in s.versions) or \
+        all(m["tokens/paused_carried"] == 0 for m in lines)
+
+
+def test_unknown_selector_is_a_config_error(tmp_path):
+    from rollwise.config import ConfigError
+    with pytest.raises(ConfigError, match="control.selector"):
+        load_config(None, ["control.selector=best"])

@@ -1,0 +1,122 @@
+"""`rollwise bench e2e --vs trl`: the settings handed to TRL match rollwise's (batch
+arithmetic checked by TRL's own GRPOConfig, the reward by rollwise's scorer, the learning-rate
+schedule by rollwise's Trainer), and the timing summary. A marked slow test runs TRL."""
+
+import math
+
+import pytest
+
+from rollwise import models
+from rollwise.bench import e2e
+from rollwise.bench.e2e_trl import make_reward, rollwise_optimizer, trl_batch_args
+from rollwise.config import ModelConfig, load_config
+from rollwise.stages.filter import build_filter
+from rollwise.tasks import load_task
+from rollwise.train.trainer import Trainer
+from rollwise.types import Sample
+
+
+def test_batch_arithmetic_gives_prompts_times_group_per_generation():
+    cfg = load_config(None, [])
+    args = trl_batch_args(cfg)
+    assert args == {"num_generations": 8, "per_device_train_batch_size": 256,
+                    "steps_per_generation": 2, "gradient_accumulation_steps": 1}
+    with pytest.raises(ValueError, match="train.minibatches = 3"):
+        trl_batch_args(load_config(None, ["train.minibatches=3"]))
+
+
+def test_trl_derives_the_same_generation_batch():
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+    cfg = load_config(None, ["control.prompts_per_step=12", "generate.group_size=4",
+                             "train.minibatches=3"])
+    args = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none",
+                      **trl_batch_args(cfg))
+    assert args.generation_batch_size == 12 * 4  # completions per generation batch
+    assert args.generation_batch_size // args.num_generations == 12  # prompts
+
+
+def test_trl_reward_is_rollwise_exact_answer():
+    cfg = load_config(None, ["task.train_size=50", "task.eval_size=8"])
+    task = load_task(cfg.task)
+    from rollwise.stages.filter import make_scorer
+    reward = make_reward(task, make_scorer("exact", task))
+    problems = task.train[:20]
+    # right (least-significant digit first), written the wrong way round, and junk
+    texts = [p.solution for p in problems] + [p.answer for p in problems] + ["x"] * 20
+    answers = [p.answer for p in problems] * 3
+    got = reward(texts, answers)
+    samples = [Sample(prompt_id=p.id, prompt_ids=[1]) for p in problems * 3]
+    build_filter(cfg.filter, task).score(samples, problems * 3, texts)
+    assert got == [s.reward for s in samples]
+    assert got[:20] == [1.0] * 20 and sum(got[40:]) == 0
+    palindromes = sum(p.answer == p.answer[::-1] for p in problems)
+    assert sum(got[20:40]) == palindromes  # reversed text is right only for palindromes
+
+
+def test_learning_rate_schedule_matches_rollwise_trainer():
+    cfg = load_config(None, ["train.steps=5", "train.lr=0.01", "train.lr_end_factor=0.2"])
+    model, tok = models.build(ModelConfig(hidden_size=16, num_layers=1, num_heads=2,
+                                          num_kv_heads=1, intermediate_size=32))
+    trainer = Trainer(model, cfg.train, pad_id=tok.pad_token_id)
+    opt, sched = rollwise_optimizer(model, cfg, opt_steps_per_rl_step=2)
+    assert type(opt) is type(trainer.optimizer)
+    assert opt.defaults == trainer.optimizer.defaults  # lr, betas, eps, weight decay
+    for rl_step in range(7):
+        for _ in range(2):  # TRL steps its scheduler once per optimizer step
+            assert opt.param_groups[0]["lr"] == pytest.approx(
+                trainer.optimizer.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+
+
+ROWS = [{"step": 0, "eval/pass1": 0.3},
+        {"step": 1, "perf/step_seconds": 2.0},
+        {"step": 2, "perf/step_seconds": 3.0, "eval/pass1": 0.5},
+        {"step": 3, "perf/step_seconds": 1.0},
+        {"step": 4, "perf/step_seconds": 4.0, "eval/pass1": 0.62}]
+
+
+def test_time_to_target_uses_training_time_only():
+    rows = e2e.rollwise_clock(ROWS)
+    assert [r["train_seconds"] for r in rows] == [0.0, 2.0, 5.0, 6.0, 10.0]
+    assert e2e.time_to_target(rows, 0.5, "train_seconds") == 5.0
+    assert e2e.time_to_target(rows, 0.6, "train_seconds") == 10.0
+    assert math.isinf(e2e.time_to_target(rows, 0.7, "train_seconds"))
+    s = e2e.summarize("rollwise", 0, rows, 0.6)
+    assert s["steps_to_target"] == 4 and s["seconds_per_step"] == 2.5
+    assert (s["pass1_start"], s["pass1_final"], s["pass1_best"]) == (0.3, 0.62, 0.62)
+
+
+def test_table_medians_and_not_reached():
+    rows = e2e.rollwise_clock(ROWS)
+    results = [e2e.summarize("rollwise", 0, rows, 0.5), e2e.summarize("rollwise", 1, rows, 0.5),
+               e2e.summarize("trl", 0, rows, 0.9)]
+    text = e2e.table(results, 0.5)
+    assert "| trl | 0 | not reached |" in text
+    assert "| **rollwise median** | | 5 |" in text
+    assert "time to target 0.00x" in text  # TRL never reached it
+
+
+@pytest.mark.slow
+def test_trl_runs_matched_and_starts_from_the_same_pass1(tmp_path):
+    pytest.importorskip("trl")
+    small = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+             "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=300",
+             "task.eval_size=40", "sft.steps=30", "sft.eval_every=30", "train.steps=2",
+             "control.prompts_per_step=6", "generate.group_size=4", "run.eval_every=1",
+             "run.log=quiet", "run.tensorboard=false", f"run.root={tmp_path}"]
+    warm = e2e.warm_model(load_config(None, small), log=lambda m: None)
+    cfg = load_config(None, small + [f"run.init={warm}", "run.name=rw"])
+    rw = e2e.run_rollwise(cfg, 0.99)
+    cfg = load_config(None, small + [f"run.init={warm}", "run.name=trl"])
+    trl = e2e.run_trl(cfg, warm, 0.99, log=lambda m: None)
+    assert trl["pass1_start"] == rw["pass1_start"]  # same model, same evaluation
+    assert trl["steps"] == rw["steps"] == 2
+    import json
+    rows = [json.loads(x) for x in open(tmp_path / "trl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("eval/pass1" in r for r in rows) and "reward/mean" in rows[1]
+    assert 0 < rows[1]["train_seconds"] < rows[2]["train_seconds"]

@@ -1,0 +1,100 @@
+"""An engine in a child process: it generates exactly what the in-process engine generates, and
+RL training with its rollouts and sparse syncs through shared memory follows the in-process run
+number for number. Refusals cross the process boundary as the same errors; a new engine process
+gets a full sync; a dead one is reported, never waited on."""
+
+import copy
+
+import pytest
+import torch
+
+from rollwise.config import TrainConfig
+from rollwise.engine import Engine, Request, SamplingParams
+from rollwise.sync import (EngineProcess, EngineProcessError, StaleEngineError, WeightSync)
+from rollwise.sync.transport import InProcessTransport, ProcessTransport
+from rollwise.train.trainer import Trainer
+from sync_helpers import rl_groups
+
+
+@pytest.fixture(scope="module")
+def proc(tiny):
+    model, tok = tiny
+    p = EngineProcess(model, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=1)
+    yield p
+    p.close()
+
+
+def in_process_engine(model, tok):
+    engine = Engine(model, pad_id=tok.pad_token_id, seed=1)
+    engine.model.to(torch.bfloat16)
+    return engine
+
+
+def requests(tok, seed=0):
+    return [Request(tok(p)["input_ids"], SamplingParams(max_new_tokens=6, seed=seed + i), i)
+            for i, p in enumerate(["12+34=", "7-5=", "3+3="])]
+
+
+def test_child_engine_generates_what_the_in_process_engine_generates(tiny, proc):
+    model, tok = tiny
+    ours = in_process_engine(model, tok).generate(requests(tok))
+    theirs = proc.generate(requests(tok))
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert [c.logprobs for c in ours] == [c.logprobs for c in theirs]
+    assert proc.tokens_generated >= sum(len(c.token_ids) for c in theirs)
+
+
+def test_rl_with_a_child_engine_matches_in_process_exactly(tiny, proc):
+    model, tok = tiny
+    runs = {}
+    for where in ("inproc", "process"):
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=1e-5, steps=10),
+                          pad_id=tok.pad_token_id, seed=0)
+        if where == "inproc":
+            engine = in_process_engine(model, tok)
+            transport = InProcessTransport(engine)
+        else:
+            engine = proc
+            proc.load_weights(model.state_dict(), 0)  # the module's engine may have moved on
+            transport = ProcessTransport(proc)
+        sync = WeightSync(trainer, transport, mode="sparse", check=True)
+        sync.push()
+        log = []
+        for step in range(3):
+            groups = rl_groups(engine, tok, seed=100 * step)
+            log.append([s.response_ids for g in groups for s in g.samples])
+            log.append(trainer.update(groups))
+            m = sync.push()
+            log.append({k: v for k, v in m.items() if "seconds" not in k})
+        runs[where] = log
+    assert runs["inproc"] == runs["process"]
+    last = runs["process"][-1]
+    assert last["sync/sparse"] == 1.0 and 0 < last["sync/density"] < 0.5  # it trained
+    assert "train/loss" in runs["process"][-2]
+
+
+def test_refusals_cross_the_process_boundary_and_a_new_engine_gets_a_full_sync(tiny, proc):
+    model, tok = tiny
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=1e-5), pad_id=tok.pad_token_id)
+    sync = WeightSync(trainer, ProcessTransport(proc), mode="sparse")
+    sync.push()
+    trainer.update(rl_groups(proc, tok, seed=7))
+    meta, _ = sync.sender.encode(trainer.weights(), trainer.version, proc.arena, full=False)
+    meta.base_version = 99
+    with pytest.raises(StaleEngineError, match="applies to version 99"):
+        proc.apply(meta)
+    assert proc.version == 0  # refused before any write
+    sync.sender.reset()
+    second = EngineProcess(model, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=1)
+    try:
+        sync.push()  # full to `proc`; now the sender has a mirror ...
+        sync.transport = ProcessTransport(second)  # ... that a new engine does not hold
+        trainer.update(rl_groups(proc, tok, seed=8))
+        m = sync.push()
+        assert m["sync/fallback_full"] == 1.0 and second.version == trainer.version
+        sync.compare()
+        second._proc.kill()
+        with pytest.raises(EngineProcessError, match="died"):
+            second.generate(requests(tok))
+    finally:
+        second.close()
