@@ -55,7 +55,11 @@ class TaskConfig(Section):
 class EngineConfig(Section):
     backend: Literal["builtin"] = "builtin"
     max_batch: int = Field(1024, gt=0)
-    """Most sequences decoded at once; larger requests are split."""
+    """KV slots: most sequences decoded at once; the rest wait and take freed slots."""
+    segment: int = Field(16, gt=0)
+    """The engine reports each sequence's new tokens every `segment` tokens and at its end."""
+    kv_budget_tokens: int | None = Field(None, gt=0)
+    """Cap on KV-cache positions (slots x length); None: bounded by max_batch only."""
 
 
 class GenerateConfig(Section):

@@ -4,6 +4,7 @@ trainer, and whole runs with every stateful part switched on (replay buffer, DPS
 KL reference, version snapshots; APRIL's paused partial rollouts)."""
 
 import copy
+import io
 import os
 import random
 import shutil
@@ -93,7 +94,6 @@ def test_trainer_state_restores_the_next_update_exactly(tiny):
     a = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=3)
     a.update(groups)
     state = ckpt.trainer_state(a)
-    import io
     buf = io.BytesIO()
     torch.save(state, buf)  # as a checkpoint stores it
     m_a = a.update(groups)

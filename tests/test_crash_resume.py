@@ -122,3 +122,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(reference):
     assert found.step == newest.step - 2 and "damaged" in logged[0]
     assert fork_main(["train", "--resume", str(run)]) == 0
     assert compare(reference / "reference", run) == []
+
+
+@pytest.mark.slow
+def test_crash_bench_with_fresh_interpreters_and_random_kill_times(tmp_path, capsys):
+    """The benchmark's path: `python -m rollwise` children, named and timed kills."""
+    from rollwise.bench.crash import main as crash_main
+    argv = ["--kills", "4", "--root", str(tmp_path), "--json", *SMALL, "train.steps=8"]
+    assert crash_main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["identical"] and result["kill_points_tried"] == 4

@@ -41,7 +41,8 @@ def test_correct_program_passes_every_test():
 
 def test_wrong_answer_fails_with_the_first_difference():
     v = score("print(sum(map(int, input().split())) + 1)", SUM)
-    assert v.rewards == {"code": 0.0} and "test 1: wrong output '7\\n', expected '6\\n'" in v.info
+    assert v.rewards == {"code": 0.0}
+    assert "test 1: wrong output '7\\n', expected '6\\n'" in v.info
 
 
 def test_only_some_cases_right_scores_the_share_in_fraction_mode():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +48,8 @@ def world():
     server.bind(("127.0.0.1", 0))
     server.listen(8)
     server.settimeout(0.2)
-    before = {"canary": _digest(canary / "victim.txt"), "pyproject": _digest(PROJECT / "pyproject.toml"),
+    before = {"canary": _digest(canary / "victim.txt"),
+              "pyproject": _digest(PROJECT / "pyproject.toml"),
               "canary_files": sorted(os.listdir(canary))}
     yield {"root": root, "canary": canary, "decoy": decoy, "server": server,
            "iso": isolation_report()}
@@ -103,7 +103,7 @@ def need(world, guard: bool, mechanism: str) -> None:
         return
     iso = world["iso"]
     have = {"landlock": iso["landlock_abi"] >= 1, "nproc": iso["nproc_enforced"],
-            "signals": iso["signals"] != "guard",
+            "signals": iso["signals"] != "none",
             "network": iso["network"] in ("netns", "userns+netns") or iso["landlock_abi"] >= 4}
     if not have[mechanism]:
         pytest.skip(f"kernel-only containment needs {mechanism}, missing here: {iso}")
@@ -140,9 +140,10 @@ def test_memory_bomb_hits_the_address_space_limit(world, guard):
 def test_deep_recursion_dies_alone(world, guard):
     code = "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)\n"
     r = run(world, code, guard)
-    # CPython 3.11 keeps Python frames off the C stack: the CPU, memory or stack limit ends it
-    assert r.status in ("killed", "error", "memory", "cpu_time"), r
-    assert any(w in r.reason for w in ("SIGSEGV", "Recursion", "Memory", "CPU time"))
+    # CPython 3.11 keeps Python frames off the C stack: the CPU, memory or stack limit ends
+    # it, or the wall clock when a busy machine gives it less than its CPU second in time
+    assert r.status in ("killed", "error", "memory", "cpu_time", "timeout"), r
+    assert any(w in r.reason for w in ("SIGSEGV", "Recursion", "Memory", "CPU time", "timeout"))
 
 
 @GUARDS
@@ -254,8 +255,8 @@ def test_daemon_left_behind_is_killed(world, guard):
 
 def test_isolation_report_names_the_mechanisms(world):
     iso = world["iso"]
-    assert iso["network"] in ("netns", "userns+netns", "landlock-tcp+guard", "guard-only")
-    assert iso["filesystem"] in ("landlock", "uid+guard")
+    assert iso["network"] in ("netns", "userns+netns", "landlock-tcp", "none")
+    assert iso["filesystem"] in ("landlock", "uid", "none") and iso["guard"] is True
     if os.geteuid() == 0:  # root never runs hostile code as root when it can avoid it
         assert iso["uid"] != 0 or not iso["nproc_enforced"]
 
@@ -287,8 +288,8 @@ def test_in_process_supervision_also_cleans_up(world):
               "        time.sleep(600)\n    os._exit(0)\nprint(os.read(r, 32).decode())\n")
     attacks = [daemon, "import os\nwhile True:\n    os.fork()\n", "import time\ntime.sleep(60)\n",
                "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"]
-    proc = subprocess.run([sys.executable, "-c", IN_WORKER, world["root"]], input=json.dumps(attacks),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", IN_WORKER, world["root"]],
+                          input=json.dumps(attacks), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]  # the supervising process survived
     daemon_r, bomb_r, sleep_r, kill_r = json.loads(proc.stdout)
     assert daemon_r["status"] == "ok" and daemon_r["leftovers_killed"] >= 1

@@ -12,7 +12,7 @@ import pytest
 from rollwise.config import FilterConfig, TaskConfig
 from rollwise.engine import Completion, Engine
 from rollwise.stages.filter import build_filter, eval_scorer, make_scorer
-from rollwise.stages.filter.base import Item, Verdict
+from rollwise.stages.filter.base import Item
 from rollwise.stages.filter.fmt import overlong_penalty
 from rollwise.stages.filter.judge import JudgeVerifier, parse_verdict
 from rollwise.stages.filter.majority import MajorityVerifier
@@ -239,7 +239,8 @@ def test_evaluation_always_uses_the_true_answer(task, reward):
     p = task.eval[0]
     score = eval_scorer(FilterConfig(reward=reward), task)
     assert score(p.solution, p)[0] == 1.0 and score("1", p)[0] == 0.0
-    assert make_scorer(reward if isinstance(reward, str) else "majority", task)(p.solution, p)[0] == 1.0
+    name = reward if isinstance(reward, str) else "majority"
+    assert make_scorer(name, task)(p.solution, p)[0] == 1.0
 
 
 def test_math_channel_through_the_pool(task):

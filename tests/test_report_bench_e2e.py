@@ -2,7 +2,11 @@
 arithmetic checked by TRL's own GRPOConfig, the reward by rollwise's scorer, the learning-rate
 schedule by rollwise's Trainer), and the timing summary. A marked slow test runs TRL."""
 
+import importlib
+import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +35,7 @@ def test_trl_derives_the_same_generation_batch():
     cfg = load_config(None, ["control.prompts_per_step=12", "generate.group_size=4",
                              "train.minibatches=3"])
     args = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none",
+                      activation_checkpointing=False,
                       **trl_batch_args(cfg))
     assert args.generation_batch_size == 12 * 4  # completions per generation batch
     assert args.generation_batch_size // args.num_generations == 12  # prompts
@@ -101,8 +106,13 @@ def test_table_medians_and_not_reached():
 
 
 @pytest.mark.slow
-def test_trl_runs_matched_and_starts_from_the_same_pass1(tmp_path):
+def test_trl_runs_matched_and_starts_from_the_same_pass1(tmp_path, monkeypatch):
     pytest.importorskip("trl")
+    # pytest puts tests/ on sys.path, where tests/vllm would pass for the vllm package
+    tests_dir = Path(__file__).resolve().parent
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve()
+                                      != tests_dir])
+    importlib.invalidate_caches()
     small = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
              "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=300",
              "task.eval_size=40", "sft.steps=30", "sft.eval_every=30", "train.steps=2",
@@ -115,7 +125,6 @@ def test_trl_runs_matched_and_starts_from_the_same_pass1(tmp_path):
     trl = e2e.run_trl(cfg, warm, 0.99, log=lambda m: None)
     assert trl["pass1_start"] == rw["pass1_start"]  # same model, same evaluation
     assert trl["steps"] == rw["steps"] == 2
-    import json
     rows = [json.loads(x) for x in open(tmp_path / "trl" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("eval/pass1" in r for r in rows) and "reward/mean" in rows[1]

@@ -158,3 +158,41 @@ def test_presets_load_by_name(name, loss, agg):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"run.name={name}-test"])
     assert cfg.train.loss == loss and cfg.train.loss_agg == agg
     assert cfg.run.name == f"{name}-test"
+
+
+def test_default_config_is_plain_grpo_per_sample_loop(tiny, groups):
+    """Defaults = plain GRPO: group-normalised advantages, PPO-clip 0.2/0.2 against the
+    recomputed old policy, mean over each sample's tokens then over samples, no KL, no
+    correction. Reference: one sample at a time, no padding, plain Python arithmetic."""
+    model, tok = tiny
+    cfg = TrainConfig()
+    trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=7)
+    seen = capture_grads(trainer)
+    trainer.update(clone(groups))
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(7 * 100003 + 0))
+    first = order.chunk(cfg.minibatches)[0].tolist()
+    samples = [s for g in groups for s in g.samples]
+    adv = []
+    for g in groups:
+        r = [s.reward for s in g.samples]
+        mean = sum(r) / len(r)
+        std = (sum((x - mean) ** 2 for x in r) / (len(r) - 1)) ** 0.5
+        adv += [(x - mean) / (std + 1e-6) for x in r]
+    ref = copy.deepcopy(model)
+    per_sample = []
+    for i in first:
+        s = samples[i]
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = ref(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[0, len(s.prompt_ids):, None])[:, 0]
+        old = logp.detach()  # the old policy is the model itself before the first step
+        terms = []
+        for t in range(s.num_tokens):
+            ratio = torch.exp(logp[t] - old[t])
+            terms.append(-torch.minimum(ratio * adv[i], ratio.clamp(0.8, 1.2) * adv[i]))
+        per_sample.append(sum(terms) / len(terms))
+    (sum(per_sample) / len(per_sample)).backward()
+    naive = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    naive = naive * min(1.0, cfg.grad_clip / float(naive.norm()))  # the step sees clipped grads
+    ours = torch.cat([g.flatten() for g in seen[0]])
+    assert (naive - ours).abs().max() <= 1e-5 * naive.abs().max()

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollwise.config import Config, load_config
+from rollwise.config import Config, dump_config, load_config
 
 DEFAULTS = ["run.eval_every=5", "run.log=quiet"]
 
@@ -95,14 +95,9 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
         return evaluate(engine, tok, task.eval, scorer, cfg.generate.max_new_tokens)
     out_dir = Path(cfg.run.root) / cfg.run.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(_dump(cfg))
+    (out_dir / "config.yaml").write_text(dump_config(cfg))
     result = trl_train(cfg, task, warm, out_dir, eval_fn, log=log)
     return summarize("trl", cfg.run.seed, result["rows"], target)
-
-
-def _dump(cfg: Config) -> str:
-    from rollwise.config import dump_config
-    return dump_config(cfg)
 
 
 def median(values: list[float]) -> float:
@@ -175,8 +170,12 @@ def main(argv: list[str]) -> int:
             log(f"trl seed {seed}: {results[-1]}")
     log(f"benchmark wall time {time.time() - t0:.0f}s")
     if args.json:
-        print(json.dumps({"target": args.target, "steps": args.steps, "results": results,
-                          "medians": medians(results)}, indent=2, default=str))
+        finite = (lambda x: None if isinstance(x, float) and math.isinf(x) else x)
+        out = {"target": args.target, "steps": args.steps, "seeds": args.seeds,
+               "results": [{k: finite(v) for k, v in r.items()} for r in results],
+               "medians": {fw: {k: finite(v) for k, v in m.items()}
+                           for fw, m in medians(results).items()}}
+        print(json.dumps(out, indent=2))  # "not reached" is null
     else:
         print(table(results, args.target))
     return 0

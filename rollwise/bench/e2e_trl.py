@@ -37,6 +37,16 @@ def trl_batch_args(cfg: Config) -> dict:
             completions // mb, "steps_per_generation": mb, "gradient_accumulation_steps": 1}
 
 
+def no_checkpointing(config_cls) -> dict:
+    """Activation checkpointing off (TRL turns it on; rollwise recomputes nothing): the
+    field is `activation_checkpointing` from transformers 5, `gradient_checkpointing` before."""
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    key = "activation_checkpointing" if "activation_checkpointing" in names \
+        else "gradient_checkpointing"
+    return {key: False}
+
+
 def make_reward(task, scorer):
     """TRL reward function: rollwise's scorer on each decoded completion (1.0 if exact)."""
     def exact_answer(completions: list[str], answer: list[str], **_) -> list[float]:
@@ -79,7 +89,7 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print
         temperature=cfg.generate.temperature, top_p=cfg.generate.top_p,
         top_k=cfg.generate.top_k, beta=0.0, num_iterations=cfg.train.epochs,
         epsilon=cfg.train.clip_low, epsilon_high=cfg.train.clip_high, loss_type="grpo",
-        scale_rewards="group", mask_truncated_completions=False, activation_checkpointing=False,
+        scale_rewards="group", mask_truncated_completions=False, **no_checkpointing(GRPOConfig),
         remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
     reward = make_reward(task, make_scorer("exact", task))

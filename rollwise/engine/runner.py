@@ -99,6 +99,7 @@ class SlotCache:
         k, v, lay = self.k[layer_idx], self.v[layer_idx], _ACTIVE.layout
         k[lay.slots, :, lay.positions] = key[0].transpose(0, 1)  # (N, kv_heads, head_dim)
         v[lay.slots, :, lay.positions] = value[0].transpose(0, 1)
+        _ACTIVE.fresh = (key, value)  # prefills attend to this pass's keys only
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -129,18 +130,22 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             k, v = k.index_select(0, lay.decode_slots), v.index_select(0, lay.decode_slots)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.decode_mask, scale=scaling)
         parts.append(out.reshape(nd, heads, head_dim))
-    if lay.prefill_slots is not None:
-        m, p = lay.prefill_slots.shape[0], lay.prefill_len
-        flat = rows[nd:]
-        q = flat.view(m, p, heads, head_dim) if lay.prefill_index is None \
-            else flat[lay.prefill_index]  # (m, P, heads, head_dim), padded
-        k = key[:, :, :p].index_select(0, lay.prefill_slots)
-        v = value[:, :, :p].index_select(0, lay.prefill_slots)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
-                                             scale=scaling, enable_gqa=heads != kv_heads)
+    if lay.prefill_slots is not None:  # every prefill starts at position 0: its keys are all
+        m, p = lay.prefill_slots.shape[0], lay.prefill_len  # in this pass
+        fresh_k, fresh_v = (t[0].transpose(0, 1)[nd:] for t in _ACTIVE.fresh)
+        q, k, v = (_pad(x, lay, m, p) for x in (rows[nd:], fresh_k, fresh_v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                             enable_gqa=heads != kv_heads)
         out = out.transpose(1, 2).reshape(m * p, heads, head_dim)
         parts.append(out if lay.prefill_valid is None else out.index_select(0, lay.prefill_valid))
-    return torch.cat(parts).unsqueeze(0), None
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0), None
+
+
+def _pad(flat: torch.Tensor, lay: StepLayout, m: int, p: int) -> torch.Tensor:
+    """(tokens, heads, head_dim) of the prefills -> (m, heads, P, head_dim), padded."""
+    x = flat.view(m, p, *flat.shape[1:]) if lay.prefill_index is None \
+        else flat[lay.prefill_index]
+    return x.transpose(1, 2)
 
 
 AttentionInterface.register(ATTN_NAME, slot_attention)

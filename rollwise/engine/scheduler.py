@@ -186,7 +186,8 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        decode = list(self.running.values())
+        self._compact()
+        decode = sorted(self.running.values(), key=lambda q: q.slot)  # slots 0..n-1
         prefill: list[Sequence] = []
         shared: list[tuple[Sequence, Sequence]] = []
         leaders: dict[tuple[int, ...], Sequence] = {}
@@ -216,6 +217,22 @@ class Scheduler:
                                                                              self.cache_len)
         copies, self._copies = self._copies, []
         return StepPlan(decode, prefill, copies, self.cache_rows, self.cache_len, shared)
+
+    def _compact(self) -> None:
+        """Move running sequences from high slots into freed low ones (a K/V row copy each),
+        so the running ones hold slots 0..n-1 and the runner reads their cache rows as one
+        slice instead of gathering them every step."""
+        n = len(self.running)
+        movers = sorted((q for q in self.running.values() if q.slot >= n), key=lambda q: q.slot)
+        if not movers:
+            return
+        holes = sorted(x for x in self.free_slots if x < n)
+        free = set(self.free_slots) - set(holes)
+        for seq, hole in zip(movers, holes):
+            self._copies.append((seq.slot, hole, seq.cached))  # type: ignore[arg-type]
+            free.add(seq.slot)  # type: ignore[arg-type]
+            seq.slot = hole
+        self.free_slots = sorted(free)  # a sorted list is a valid heap
 
     def _occupied(self) -> tuple[int, int]:
         """Rows and positions the running sequences need."""

@@ -239,6 +239,8 @@ class VLLMEngine:
                 _scatter(name, mirror[key], *value)
         self.llm.collective_rpc("reload_weights", kwargs=dict(
             weights_iterator=list(mirror.items()), is_checkpoint_format=True))
+        if self._tied:
+            self.llm.apply_model(_retie_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -260,6 +262,14 @@ def _event(seq: Sequence) -> Event:
     return Event(seq.seq_id, seq.request_id, seq.tokens[a:], seq.logprobs[a:],
                  seq.entropies[a:], seq.versions[a:], seq.status is not SeqStatus.RUNNING,
                  seq.finish_reason, seq.top_logprobs[a:] if seq.top_logprobs else None)
+
+
+def _retie_lm_head(model) -> None:
+    """vLLM reloads only modules whose weights arrived: a tied lm_head (its name is skipped on
+    load) would keep the old embedding and, on CPU, its old prepacked GEMM weight."""
+    head, embed = model.lm_head, model.model.embed_tokens
+    head.weight = embed.weight
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _derived_seed(seed: int, n_tokens: int) -> int:

@@ -299,7 +299,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False) -
             if stop.requested or step == cfg.train.steps or (every and step % every == 0):
                 run.checkpoint(step, {"start_eval": start, "last_eval": last_eval,
                                       "wall": m["wall_seconds"]})
-            if stop.requested:
+            if stop.requested and step < cfg.train.steps:
                 stopped = step
                 break
     sinks.close()

@@ -9,8 +9,11 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast,
                           Qwen2Config)
+from transformers.utils import logging as hf_logging
 
 from rollwise.config import ModelConfig
+
+hf_logging.disable_progress_bar()  # no per-save/load bars in the run's progress display
 
 # Characters of the built-in tasks, plus a few letters for user prompts and hints.
 CHARSET = "0123456789+-*=;#.,:?() abcdefghijklmnopqrstuvwxyz"

@@ -7,11 +7,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Token categories: where each generated token ended up. `tokens/<name>` keys of the loop
-# (trained, filtered, and later paused / pruned / aborted) plus the trainer's own drops.
+# Token categories: where each generated token ended up. `tokens/<destination>` keys of the
+# loop's ledger (trained, filtered/<reason>, paused_carried, pruned, aborted, ...) plus the
+# trainer's own drops; these tokens/ keys count tokens but are not destinations.
 TOKEN_KEY = "tokens/"
 TRAINER_DROP_KEY = "train/dropped_tokens/"
-NOT_CATEGORIES = {"tokens/generated"}
+NOT_CATEGORIES = {"tokens/generated", "tokens/batch", "tokens/stale"}
 
 
 @dataclass
@@ -57,7 +58,7 @@ class RunData:
             cats["trained"] = "train/tokens"
         for k in sorted(keys):
             if k.startswith(TOKEN_KEY) and k not in NOT_CATEGORIES and k != "tokens/trained":
-                cats[k.removeprefix(TOKEN_KEY)] = k
+                cats[k.removeprefix(TOKEN_KEY).replace("/", ": ", 1)] = k
             elif k.startswith(TRAINER_DROP_KEY):
                 cats["dropped by trainer: " + k.removeprefix(TRAINER_DROP_KEY)] = k
         out = {label: [float(r.get(k, 0) or 0) for r in steps] for label, k in cats.items()}

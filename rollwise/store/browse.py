@@ -134,7 +134,7 @@ def main(args) -> int:
         print(f"wrote {sel.num_rows} samples to {export(sel, args.export)}")
         return 0
     rows = sel.slice(0, args.limit or sel.num_rows).to_pylist()
-    print(f" step     prompt status    reward  len  prompt|response")
+    print(" step     prompt status    reward  len  prompt|response")
     for r in rows:
         print(line(r))
         if args.tokens:

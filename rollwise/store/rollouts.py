@@ -4,6 +4,7 @@
                                    pyarrow, pandas, DuckDB and Hugging Face `datasets` read the
                                    folder as it is
     rollouts/_wal/step-000001.jsonl  write-ahead log of the steps since the last checkpoint
+                                   (a JSON copy of their rows; dropped at each checkpoint)
     rollouts/_corrupt/             files that failed validation and could not be rebuilt
 
 `append` writes the rows to the write-ahead log first (one JSON line per sample, then a commit
@@ -34,7 +35,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollwise.store import killpoint
 from rollwise.store.fsio import atomic_write, fsync_dir, write_durable
 from rollwise.types import Sample, Status
 

@@ -152,11 +152,11 @@ class Trainer:
 
     @torch.no_grad()
     def prepare(self, groups: list[Group]) -> tuple[Prepared, dict[str, float]]:
-        cfg, cc, m = self.cfg, self.cfg.correction, {}
+        """Old/reference/version log-probs, advantages, masks and weights for one update."""
+        cfg, m = self.cfg, {}
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
-        mask = batch.loss_mask
         prox, _ = token_logprobs(self.model, batch)
         ref = token_logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
@@ -164,43 +164,46 @@ class Trainer:
         # advantages, with the KL penalty on the reward when asked
         rewards = self.rewards(samples)
         if ref is not None and cfg.kl_mode == "reward":
-            seq_kl = (self.kl_fn(prox, ref) * mask).sum(-1)
-            m["kl_ref"] = float((seq_kl.sum() / mask.sum().clamp_min(1)))
+            seq_kl = (self.kl_fn(prox, ref) * batch.loss_mask).sum(-1)
+            m["kl_ref"] = float((seq_kl.sum() / batch.loss_mask.sum().clamp_min(1)))
             rewards = rewards - cfg.kl_coef * seq_kl
-        x = self.advantage_inputs(groups, rewards)
-        adv = compute_advantages(cfg.advantage, x, cfg.advantage_clip)
+        adv = compute_advantages(cfg.advantage, self.advantage_inputs(groups, rewards),
+                                 cfg.advantage_clip)
         batch.advantages = adv.advantages
         m.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         m["reward_mean"] = float(rewards.mean())
-        # which tokens stay, each drop counted by its reason
-        mask = self._drop(mask, adv.keep.float()[:, None], "pivot", m)
+        mask = self._drop(batch.loss_mask, adv.keep.float()[:, None], "pivot", m)
         if cfg.overlong_filter:
             mask = self._drop(mask, torch.tensor(overlong_keep(samples)).float()[:, None],
                               "overlong", m)
+        anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
+        token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
+        norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
+        seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
+        return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm), m
+
+    def _correct(self, batch: Batch, prox, version_logp, known, mask, m):
+        """Staleness limit, anchor choice and TIS/MIS weights -> (anchor, weights, mask),
+        every dropped token counted by its reason, ratio statistics and ESS into m."""
+        cc = self.cfg.correction
+        mu = batch.behaviour_logprobs
         mask = self._drop(mask, corr.staleness_keep(batch.versions, self.version, mask,
                                                     cc.max_staleness), "stale", m)
         anchor = prox
         if cc.anchor == "version":
             mask = self._drop(mask, known.float(), "no_snapshot", m)
             anchor = torch.where(known, version_logp, prox) if version_logp is not None else prox
-        isw = corr.importance_weights(anchor - batch.behaviour_logprobs, mask, cc.mode,
-                                      cc.level, cc.low, cc.high)
+        isw = corr.importance_weights(anchor - mu, mask, cc.mode, cc.level, cc.low, cc.high)
         mask = self._drop(mask, isw.keep, "mis", m)
         stale = corr.staleness(batch.versions, self.version)
         m.update({f"correction/{k}": v for k, v in isw.metrics.items()})
         m.update({f"correction/{k}": v for k, v in corr.ratio_metrics(
-            prox, batch.behaviour_logprobs, version_logp, known, stale, mask).items()})
-        seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
+            prox, mu, version_logp, known, stale, mask).items()})
         live = mask.sum(-1) > 0
-        ess = corr.effective_sample_size(seq_log_w[live])
+        ess = corr.effective_sample_size(corr.sequence_log_ratio(prox - mu, mask)[live])
         m["correction/ess"], m["correction/ess_frac"] = ess, ess / max(int(live.sum()), 1)
-        m["behaviour_gap_max"] = float(((prox - batch.behaviour_logprobs).abs()
-                                        * batch.loss_mask).max())
-        token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
-        resp_len = batch.loss_mask.sum(-1)
-        norm = cfg.norm_length or max(int(resp_len.max()), 1)
-        return Prepared(batch, anchor, isw.weights * mask, mask, token_adv, ref, seq_log_w,
-                        norm), m
+        m["behaviour_gap_max"] = float(((prox - mu).abs() * batch.loss_mask).max())
+        return anchor, isw.weights * mask, mask
 
     # ----------------------------------------------------------------------- the update
 

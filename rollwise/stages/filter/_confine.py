@@ -64,7 +64,8 @@ def landlock_restrict(abi: int, read: list[str], write: list[str], execute: list
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     read_dir = FS_READ_FILE | FS_READ_DIR
     try:
-        for paths, rights in ((read, read_dir), (write, fs_all), (execute, FS_EXECUTE | FS_READ_FILE)):
+        run = FS_EXECUTE | FS_READ_FILE
+        for paths, rights in ((read, read_dir), (write, fs_all), (execute, run)):
             for path in paths:
                 _add_path_rule(fd, path, rights)
         if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:

@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _sibling(name: str):
     """A sibling file as a module, without the rollwise package or a sys.path change."""
-    spec = importlib.util.spec_from_file_location(f"_rollwise_{name}", os.path.join(HERE, f"{name}.py"))
+    path = os.path.join(HERE, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_rollwise_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,10 +58,11 @@ def plan(job: dict) -> dict:
         nproc += _confine.processes_of_uid(os.getuid())
     return {"python": os.path.realpath(python), "prefix": os.path.realpath(prefix),
             "drop_uid": drop_uid, "landlock_abi": abi, "nproc": nproc,
-            "network": job.get("network", "auto"), "nproc_enforced": drop_uid is not None or not root}
+            "network": job.get("network", "auto"),
+            "nproc_enforced": drop_uid is not None or not root}
 
 
-def make_confine(job: dict, p: dict, work: str, report: list[str]):
+def make_confine(job: dict, p: dict, work: str):
     """The function run in the child between fork and exec."""
     read = SYSTEM_READ + [p["prefix"]]
     execute = [p["python"]] + [x for x in [_confine.elf_interpreter(p["python"])] if x]
@@ -83,13 +85,14 @@ def make_confine(job: dict, p: dict, work: str, report: list[str]):
     return confine
 
 
-def describe(p: dict, netns: str | None) -> dict:
-    abi = p["landlock_abi"]
-    return {"network": netns or ("landlock-tcp+guard" if abi >= 4 else "guard-only"),
-            "landlock_abi": abi, "filesystem": "landlock" if abi else "uid+guard",
-            "signals": "landlock-scope" if abi >= 6 else ("uid" if p["drop_uid"] else "guard"),
-            "uid": p["drop_uid"] if p["drop_uid"] is not None else os.getuid(),
-            "nproc_enforced": p["nproc_enforced"], "python": p["python"]}
+def describe(p: dict, netns: str | None, guard: bool) -> dict:
+    """The kernel mechanisms that applied (the guard, when on, comes on top of them)."""
+    abi, own_uid = p["landlock_abi"], p["drop_uid"] is not None
+    return {"network": netns or ("landlock-tcp" if abi >= 4 else "none"),
+            "filesystem": "landlock" if abi else ("uid" if own_uid else "none"),
+            "signals": "landlock-scope" if abi >= 6 else ("uid" if own_uid else "none"),
+            "landlock_abi": abi, "uid": p["drop_uid"] if own_uid else os.getuid(),
+            "nproc_enforced": p["nproc_enforced"], "guard": guard, "python": p["python"]}
 
 
 _NETNS: list = []  # probed once per process
@@ -286,7 +289,7 @@ def _run_in(work: str, job: dict, p: dict, netns: str | None) -> dict:
             proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=work, env=env,
                                     start_new_session=True,
-                                    preexec_fn=make_confine(job, p, work, []))
+                                    preexec_fn=make_confine(job, p, work))
     except (OSError, subprocess.SubprocessError) as e:
         return {"status": "sandbox_error", "reason": f"could not start the sandbox: {e}"}
     out, err, why, wall = pump(proc, job)
@@ -303,7 +306,7 @@ def _run_in(work: str, job: dict, p: dict, netns: str | None) -> dict:
     return {"status": status, "reason": reason, "returncode": rc,
             "stdout": out.decode("utf-8", "replace"), "stderr": stderr, "blocked": blocked,
             "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "leftovers_killed": leftovers,
-            "isolation": describe(p, netns)}
+            "isolation": describe(p, netns, job.get("guard", True))}
 
 
 def main() -> int:

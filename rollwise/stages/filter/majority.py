@@ -37,8 +37,8 @@ class MajorityVerifier:
             label_hits.append(float(label is not None and label == truth))
             for i in members:
                 agree = label is not None and votes[i] == label
-                out[i] = Verdict({self.name: float(agree)},
-                                 f"answer={items[i].answer!r} label={label!r} votes={n}/{len(members)}")
+                why = f"answer={items[i].answer!r} label={label!r} votes={n}/{len(members)}"
+                out[i] = Verdict({self.name: float(agree)}, why)
         self._metrics = {"filter/majority_ratio": sum(ratios) / max(len(ratios), 1),
                          "filter/majority_label_acc": sum(label_hits) / max(len(label_hits), 1)}
         return out

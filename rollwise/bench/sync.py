@@ -1,0 +1,310 @@
+"""Weight sync benchmark: SparseRL-Sync sparse payloads against full payloads, both sent to an
+engine in another process (shared memory), after real RL steps, bf16 engine weights with fp32
+AdamW master weights.
+
+    rollwise bench sync                                  # tiny model and the ~0.5B model
+    rollwise bench sync --models tiny --tiny-lrs 1e-6,1e-5,1e-4,1e-3
+    rollwise bench sync --models 0.5b --lrs 1e-6,1e-5 --steps 2 --json
+
+Per model and learning rate, from the same start (the fp32 master starts on the bf16 grid, as
+when RL starts from a bf16 checkpoint), after every optimizer step the engine gets a sparse
+payload, is compared bit for bit with the trainer (check mode), then gets a full payload of
+the same weights: the two are measured side by side on the same weights and engine.
+
+- tiny: the default tiny Qwen2 (rollwise's ModelConfig), real RL steps through rollwise's
+  Trainer (GRPO advantages, PPO-clip, AdamW) on rollouts the engine process generates for the
+  arith prompts; reward 1 for an even response length (a random model earns it half the time,
+  so every step trains), or the task's exact answer with --init <warm-start model folder>.
+- 0.5b: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+  tied embeddings; vocab 151936, so 0.49B parameters), random init as Qwen2 initialises;
+  each step is one real GRPO policy-gradient step (on-policy PPO-clip, whose gradient at ratio
+  1 is the advantage-weighted log-likelihood) on --batch sequences of random 16-token prompts
+  and 16-token responses, groups of 4 with binary rewards, fused AdamW.
+
+Reported: density (share of bf16 elements whose stored value changed), bytes of each payload
+(tensor bytes incl. padding, plus the pickled metadata), wall seconds of each push (encode,
+shared-memory hand-off, apply, checksum verify on both sides), and whether the engine was
+bit-identical to the trainer after every sparse sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+PROMPT_LEN = RESPONSE_LEN = 16
+
+
+class LeanTrainer:
+    """The trainer interface weight sync needs (`weights()`, `version`) around a model that
+    the benchmark steps itself."""
+
+    def __init__(self, model):
+        self.model, self.version = model, 0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def to_bf16_grid(model) -> None:
+    """fp32 master weights that a bf16 checkpoint would give: every value bf16-representable."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+
+
+def measure(sparse, full, check: bool) -> dict:
+    """One sparse push (then the bit-for-bit check), one full push of the same weights."""
+    ms = sparse.push()
+    exact = True
+    if check:
+        try:
+            sparse.compare()
+        except Exception:
+            exact = False
+    mf = full.push()
+    return {"density": ms["sync/density"], "sparse_bytes": ms["sync/bytes"],
+            "full_bytes": mf["sync/bytes"], "sparse_s": ms["sync/seconds"],
+            "full_s": mf["sync/seconds"], "sparse_kind": ms["sync/sparse"],
+            "dense_tensors": ms["sync/dense_tensors"], "exact": exact,
+            "sparse_parts": {k: ms[f"sync/{k}_seconds"] for k in ("encode", "apply", "verify")},
+            "full_parts": {k: mf[f"sync/{k}_seconds"] for k in ("encode", "apply", "verify")}}
+
+
+def syncs(trainer, proc):
+    from rollwise.sync import ProcessTransport, WeightSync
+    transport = ProcessTransport(proc)
+    sparse = WeightSync(trainer, transport, mode="sparse")
+    full = WeightSync(trainer, transport, mode="full")
+    sparse.push()  # a new sender: full; the engine now holds the start weights
+    return sparse, full
+
+
+# --- tiny model: rollwise's Trainer on rollouts from the engine process --------------------------
+def tiny_rows(args) -> list[dict]:
+    from rollwise import models
+    from rollwise.config import ModelConfig, TaskConfig, TrainConfig
+    from rollwise.sync import EngineProcess
+    from rollwise.tasks import load_task
+    from rollwise.train.trainer import Trainer
+    if args.init:
+        model0, tok = models.load_model(args.init)
+    else:
+        model0, tok = models.build(ModelConfig(), seed=args.seed)
+    to_bf16_grid(model0)
+    task = load_task(TaskConfig(train_size=2000, eval_size=10))
+    rows = []
+    proc = EngineProcess(model0, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=args.seed)
+    try:
+        for lr in args.tiny_lrs:
+            model = copy.deepcopy(model0)
+            trainer = Trainer(model, TrainConfig(lr=lr, steps=10**6), pad_id=tok.pad_token_id,
+                              seed=args.seed)
+            sparse, full = syncs(trainer, proc)
+            for step in range(1, args.tiny_steps + 1):
+                groups = rollouts(proc, tok, task, step, exact=bool(args.init), seed=args.seed)
+                trainer.update(groups)
+                rows.append({"model": "tiny", "params": models.num_params(model), "lr": lr,
+                             "step": step, **measure(sparse, full, check=True)})
+                log(args, rows[-1])
+    finally:
+        proc.close()
+    return rows
+
+
+def rollouts(engine, tok, task, step: int, exact: bool, seed: int, prompts: int = 16,
+             group_size: int = 8):
+    from rollwise.engine import Request, SamplingParams
+    from rollwise.types import Group, Sample
+    problems = task.train[(step - 1) * prompts:step * prompts]
+    reqs = [Request(tok(p.prompt)["input_ids"],
+                    SamplingParams(max_new_tokens=8, stop_ids=(tok.eos_token_id,),
+                                   seed=seed * 10**6 + step * 1000 + i * group_size + j), i)
+            for i, p in enumerate(problems) for j in range(group_size)]
+    groups: dict[int, list] = {}
+    for r, c in zip(reqs, engine.generate(reqs)):
+        p = problems[r.id]
+        s = Sample(prompt_id=p.id, prompt_ids=r.prompt_ids, response_ids=c.token_ids,
+                   logprobs=c.logprobs, versions=c.versions, loss_mask=[1] * len(c.token_ids))
+        text = tok.decode(c.token_ids, skip_special_tokens=True)
+        got = task.extract_answer(text) if exact else None
+        s.reward = float(got == p.answer) if exact else float(len(text) % 2 == 0)
+        groups.setdefault(r.id, []).append(s)
+    return [Group(problems[k].id, v, problems[k]) for k, v in groups.items()]
+
+
+# --- ~0.5B model: real policy-gradient steps on short sequences ---------------------------------
+def large_model(vocab: int, seed: int):
+    """Qwen2.5-0.5B's shape, initialised as Qwen2 does (normal(0, 0.02) matrices, zero biases,
+    unit norms), without HF's slower per-module init."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=896, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                      tie_word_embeddings=True, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # to_empty left garbage
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, cfg.initializer_range, generator=gen)
+    return model
+
+
+def pg_step(model, opt, step: int, batch: int, vocab: int, seed: int) -> float:
+    """One GRPO step: advantages (r - mean_g r) / std_g r (Shao et al. 2024, eq. 3, outcome
+    supervision) on groups of 4; loss = -mean over response tokens of A * log p(token), which
+    is PPO-clip's gradient at ratio 1 (on-policy)."""
+    gen = torch.Generator().manual_seed(seed * 10**6 + step)
+    ids = torch.randint(0, vocab, (batch, PROMPT_LEN + RESPONSE_LEN), generator=gen)
+    correct = torch.randint(1, 4, (batch // 4, 1), generator=gen)  # 1-3 of 4: mixed groups
+    r = (torch.rand(batch // 4, 4, generator=gen).argsort(1) < correct).float()
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+    logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1:-1].float()
+    logp = logits.log_softmax(-1).gather(-1, ids[:, PROMPT_LEN:, None]).squeeze(-1)
+    loss = -(adv[:, None] * logp).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def large_rows(args) -> list[dict]:
+    from rollwise.sync import EngineProcess
+    t0 = time.perf_counter()
+    model = large_model(args.vocab, args.seed)
+    to_bf16_grid(model)
+    start = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}  # exact
+    params = sum(p.numel() for p in model.parameters())
+    log(args, f"0.5b: {params / 1e9:.3f}B parameters built in {time.perf_counter() - t0:.0f}s")
+    trainer = LeanTrainer(model)
+    proc = EngineProcess(model, dtype=torch.bfloat16, pad_id=0, seed=args.seed)
+    rows = []
+    try:
+        for lr in args.lrs:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(start[n])
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
+            sparse, full = syncs(trainer, proc)
+            for step in range(1, args.steps + 1):
+                t1 = time.perf_counter()
+                pg_step(model, opt, step, args.batch, args.vocab, args.seed)
+                trainer.version += 1
+                train_s = time.perf_counter() - t1
+                rows.append({"model": "0.5b", "params": params, "lr": lr, "step": step,
+                             "train_s": train_s,
+                             **measure(sparse, full, check=step == args.steps or args.check_all)})
+                log(args, rows[-1])
+            del opt, sparse, full
+    finally:
+        proc.close()
+    return rows
+
+
+# --- report --------------------------------------------------------------------------------------
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    keys = sorted({(r["model"], r["lr"]) for r in rows}, key=lambda k: (k[0] != "tiny", k[1]))
+    for model, lr in keys:
+        rs = [r for r in rows if r["model"] == model and r["lr"] == lr]
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        out.append({"model": model, "params": rs[0]["params"], "lr": lr, "steps": len(rs),
+                    "density_mean": statistics.fmean(r["density"] for r in rs),
+                    "density_by_step": [r["density"] for r in rs],
+                    "full_mb": med("full_bytes") / 2**20, "sparse_mb": med("sparse_bytes") / 2**20,
+                    "bytes_ratio": med("full_bytes") / med("sparse_bytes"),
+                    "full_s": med("full_s"), "sparse_s": med("sparse_s"),
+                    "speedup": med("full_s") / med("sparse_s"),
+                    "bit_exact": all(r["exact"] for r in rs),
+                    "sparse_parts": {k: statistics.median(r["sparse_parts"][k] for r in rs)
+                                     for k in rs[0]["sparse_parts"]},
+                    "full_parts": {k: statistics.median(r["full_parts"][k] for r in rs)
+                                   for k in rs[0]["full_parts"]}})
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    head = (f"{'model':6} {'params':>8} {'lr':>7} {'steps':>5} {'density':>8} {'full MB':>9} "
+            f"{'sparse MB':>9} {'bytes x':>8} {'full s':>7} {'sparse s':>8} {'speedup':>7} "
+            f"{'exact':>5}")
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        lines.append(f"{s['model']:6} {s['params'] / 1e6:7.1f}M {s['lr']:7.0e} {s['steps']:5d} "
+                     f"{100 * s['density_mean']:7.3f}% {s['full_mb']:9.2f} {s['sparse_mb']:9.3f} "
+                     f"{s['bytes_ratio']:8.1f} {s['full_s']:7.3f} {s['sparse_s']:8.3f} "
+                     f"{s['speedup']:7.2f} {'yes' if s['bit_exact'] else 'NO':>5}")
+    return "\n".join(lines)
+
+
+def log(args, row) -> None:
+    if not args.json:
+        print(row if isinstance(row, str) else
+              f"  {row['model']} lr={row['lr']:.0e} step {row['step']}: density "
+              f"{100 * row['density']:.3f}%  bytes {row['full_bytes'] / row['sparse_bytes']:.1f}x "
+              f"fewer  full {row['full_s']:.3f}s sparse {row['sparse_s']:.3f}s  "
+              f"exact={row['exact']}", file=sys.stderr, flush=True)
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rollwise bench sync", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
+    p.add_argument("--lrs", type=floats, default=[1e-6, 3e-6, 1e-5], help="for the 0.5b model")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per lr, 0.5b model")
+    p.add_argument("--batch", type=int, default=8, help="sequences per 0.5b step (groups of 4)")
+    p.add_argument("--vocab", type=int, default=151936, help="0.5b vocab (Qwen2.5: 151936)")
+    p.add_argument("--check-all", action="store_true",
+                   help="compare the 0.5b engine bit for bit after every step, not the last")
+    p.add_argument("--tiny-lrs", type=floats, default=[1e-6, 3e-6, 1e-5, 1e-4, 1e-3])
+    p.add_argument("--tiny-steps", type=int, default=5)
+    p.add_argument("--init", help="tiny: start from this model folder (e.g. a warm start) and "
+                                  "reward exact answers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process (1: the CPU is shared; OpenMP's barriers "
+                        "stall when its threads cannot all run)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)  # the engine process takes the same
+    t0 = time.perf_counter()
+    rows = []
+    for name in args.models.split(","):
+        if name == "tiny":
+            rows += tiny_rows(args)
+        elif name == "0.5b":
+            rows += large_rows(args)
+        else:
+            p.error(f"unknown model {name!r}; use tiny and/or 0.5b")
+    summary = summarize(rows)
+    if args.json:
+        print(json.dumps({"summary": summary, "rows": rows,
+                          "wall_seconds": time.perf_counter() - t0,
+                          "threads": torch.get_num_threads()}, indent=1))
+    else:
+        print(table(summary))
+        print(f"wall {time.perf_counter() - t0:.0f}s, torch threads {torch.get_num_threads()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
