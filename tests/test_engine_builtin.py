@@ -144,6 +144,22 @@ def test_kv_budget_bounds_the_cache_and_leaves_results_unchanged(wild):
     assert [c.token_ids for c in budgeted] == [c.token_ids for c in free]
 
 
+def test_long_tail_with_slot_moves_and_cache_shrinks_equals_each_request_alone(wild):
+    """When the short requests end, the long ones in the top slots move down (K/V row copies)
+    while the cache shrinks (24 rows to 8) in the same step; a second batch reuses the engine.
+    None of it may change a token."""
+    lengths = [1, 2] * 10 + [20] * 4
+    reqs = [Request(PROMPTS[i % 6][: 1 + i % 4] + [i + 3],
+                    dataclasses.replace(SAMPLE, seed=i, max_new_tokens=n))
+            for i, n in enumerate(lengths)]
+    reqs += [dataclasses.replace(r, prompt_ids=[9] + r.prompt_ids) for r in reqs]
+    engine = make(wild, max_batch=24)
+    got = engine.generate(reqs[:24]) + engine.generate(reqs[24:])
+    assert [len(c.token_ids) for c in got] == lengths * 2
+    alone = make(wild, max_batch=1)
+    assert [c.token_ids for c in got] == [alone.generate([r])[0].token_ids for r in reqs]
+
+
 def test_a_group_shares_one_prompt_prefill_and_matches_separate_runs(wild):
     params = [dataclasses.replace(SAMPLE, seed=s) for s in range(8)]
     engine = make(wild, max_batch=8)
@@ -165,8 +181,12 @@ def test_hidden_state_is_the_lm_head_input_of_the_last_token(wild):
 
 def test_shared_model_keeps_its_attention_and_mode(wild):
     impl = wild.config._attn_implementation
-    make(wild, copy_model=False).generate([Request(PROMPTS[0], SAMPLE)])
-    assert wild.config._attn_implementation == impl
+    wild.train()
+    try:
+        make(wild, copy_model=False).generate([Request(PROMPTS[0], SAMPLE)])
+        assert wild.config._attn_implementation == impl and wild.training
+    finally:
+        wild.eval()
 
 
 def test_bad_requests_are_refused_with_the_fix(wild):

@@ -27,6 +27,7 @@ def seq(prompt_len: int = 3, max_new: int = 4, stop=(), first: int | None = None
 def fake_step(s: Scheduler, token=lambda seq: 1):
     """schedule() and update() with one fabricated token per sampled row."""
     plan = s.schedule()
+    assert [q.slot for q in plan.decode] == list(range(len(plan.decode)))  # packed low
     toks = [token(q) for q in plan.sequences]
     n = len(toks)
     events = s.update(plan, StepOutput(toks, [-0.5] * n, [1.0] * n, version=7))
@@ -34,6 +35,8 @@ def fake_step(s: Scheduler, token=lambda seq: 1):
 
 
 def check_invariants(s: Scheduler) -> None:
+    """After a step: slots unique and accounted for, the cache shape within the budget and
+    covering every sequence, each one's cache filled up to its pending token."""
     slots = [q.slot for q in s.running.values()]
     assert len(set(slots)) == len(slots)  # no slot shared
     assert not set(slots) & set(s.free_slots)
@@ -57,7 +60,8 @@ def test_a_finished_sequence_frees_its_slot_for_a_waiting_one_at_once():
     assert [e.seq_id for e in events if e.finished] == [short.seq_id]
     plan, _ = fake_step(s)  # the very next step prefills the waiting one beside the long one
     assert plan.decode == [long_] and plan.prefill == [waiting]
-    assert waiting.slot == 0  # the slot short freed
+    # running sequences are kept in the lowest slots: the long one moved into the freed slot 0
+    assert plan.copies == [(1, 0, 4)] and long_.slot == 0 and waiting.slot == 1
     check_invariants(s)
 
 

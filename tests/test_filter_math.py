@@ -91,4 +91,5 @@ def test_normalised_votes_agree(a, b):
 def test_normalised_votes_differ():
     assert normalize("1/2") != normalize("1/3")
     assert normalize("12") != normalize("21")
+    assert normalize("07") != normalize("7")  # a leading zero: a digit string (reversed digits)
     assert normalize(None) is None and normalize("  ") is None

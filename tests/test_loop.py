@@ -69,7 +69,8 @@ def test_failing_reward_marks_samples_failed_and_run_goes_on(run):
     assert failed and all(s.meta["answer"].endswith("7") for s in failed)
     assert all("reward server down" in s.reward_info and s.reward == 0 for s in failed)
     lines = [json.loads(x) for x in open(cfg.run.root + "/t/metrics.jsonl")][1:]
-    assert sum(m.get("filter/failed/RuntimeError", 0) for m in lines) == len(failed)
+    assert sum(m.get("filter/failed", 0) for m in lines) == len(failed)
+    assert sum(m.get("filter/failed/error", 0) for m in lines) == len(failed)
 
 
 def test_eval_command_reproduces_the_end_figure(run, capsys):

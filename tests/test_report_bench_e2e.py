@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rollwise import models
 from rollwise.bench import e2e
@@ -102,7 +103,10 @@ def test_table_medians_and_not_reached():
     text = e2e.table(results, 0.5)
     assert "| trl | 0 | not reached |" in text
     assert "| **rollwise median** | | 5 |" in text
-    assert "time to target 0.00x" in text  # TRL never reached it
+    assert "time to target TRL did not reach it" in text
+    assert "time per step 1.00x" in text
+    both = e2e.table([results[0], e2e.summarize("trl", 0, rows, 0.6)], 0.5)
+    assert "time to target 0.50x" in both  # 5 s against TRL's 10 s
 
 
 @pytest.mark.slow
@@ -129,3 +133,37 @@ def test_trl_runs_matched_and_starts_from_the_same_pass1(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("eval/pass1" in r for r in rows) and "reward/mean" in rows[1]
     assert 0 < rows[1]["train_seconds"] < rows[2]["train_seconds"]
+
+
+def test_recorder_keys_trl_logs_by_rollwise_step_and_excludes_eval_time(tmp_path, monkeypatch):
+    from rollwise.bench import e2e_trl
+    now = {"t": 0.0}
+    monkeypatch.setattr(e2e_trl, "time", type("T", (), {"time": staticmethod(lambda: now["t"])}))
+
+    def slow_eval(model):
+        now["t"] += 10.0  # evaluation takes 10 s: not training time
+        return {"eval/pass1": 0.5}
+    cfg = load_config(None, ["train.steps=2", "run.eval_every=1", "control.prompts_per_step=4",
+                             "generate.group_size=2"])
+    rec = e2e_trl._Recorder(cfg, 2, slow_eval, tmp_path / "m.jsonl", log=lambda m: None)
+    model = torch.nn.Linear(1, 1)
+    rec.start(model)
+    # transformers' order per optimizer step: on_step_end, then on_log; TRL logs the
+    # generation metrics at the first optimizer step of each generation batch
+    for gs, dt, logs in [(1, 3.0, {"reward": 0.25, "completions/mean_length": 3.0,
+                                   "frac_reward_zero_std": 0.75}),
+                         (2, 1.0, {"loss": 0.1}),
+                         (3, 2.0, {"reward": 0.5, "completions/mean_length": 5.0,
+                                   "frac_reward_zero_std": 0.5}),
+                         (4, 2.0, {"reward": float("nan")})]:
+        now["t"] += dt
+        rec.on_step_end(gs, model)
+        rec.on_log(gs, logs)
+    rec.close()
+    rows = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["reward/mean"] == 0.25 and rows[2]["reward/mean"] == 0.5  # nan ignored
+    assert rows[1]["groups/mixed_share"] == 0.25
+    assert rows[2]["tokens/generated"] == 5.0 * 4 * 2
+    assert [r["train_seconds"] for r in rows] == [0.0, 4.0, 8.0]  # evals (10 s each) excluded
+    assert rows[2]["perf/step_seconds"] == 4.0

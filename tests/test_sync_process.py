@@ -42,6 +42,11 @@ def test_child_engine_generates_what_the_in_process_engine_generates(tiny, proc)
     assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
     assert [c.logprobs for c in ours] == [c.logprobs for c in theirs]
     assert proc.tokens_generated >= sum(len(c.token_ids) for c in theirs)
+    assert proc.has_unfinished() is False  # other engine methods run in the child
+    with pytest.raises(AttributeError, match="child process"):
+        proc.model
+    with pytest.raises(AttributeError, match="only the engine's methods"):
+        proc.no_such_method
 
 
 def test_rl_with_a_child_engine_matches_in_process_exactly(tiny, proc):

@@ -179,3 +179,21 @@ def test_an_index_out_of_range_is_refused(tiny):
     with pytest.raises(CorruptPayloadError, match="IndexError|out of bounds|index"):
         sync.transport.apply(meta, arena)
     assert engine.version == -1
+
+
+def test_build_sync_refuses_an_engine_that_does_not_match_the_config(tiny):
+    from rollwise.config import Config
+    from rollwise.sync import build_engine, build_sync
+    model, tok = tiny
+    trainer = LMTrainer(model)
+    cfg = Config.model_validate({"sync": {"mode": "sparse", "engine_dtype": "bfloat16"}})
+    engine = build_engine(cfg, trainer.model, pad_id=tok.pad_token_id)
+    assert engine.model.model.norm.weight.dtype == torch.bfloat16
+    sync = build_sync(cfg.sync, trainer, engine)
+    trainer.step()
+    assert sync.push()["sync/bytes"] > 0 and engine.version == 1
+    with pytest.raises(ValueError, match="sync.transport=process.*build_engine"):
+        build_sync(cfg.sync.model_copy(update={"transport": "process"}), trainer, engine)
+    fp32 = Engine(trainer.model, pad_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="engine_dtype=bfloat16.*float32"):
+        build_sync(cfg.sync, trainer, fp32)

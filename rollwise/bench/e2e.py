@@ -2,14 +2,13 @@
 learning rate and step budget, trained by rollwise and by TRL's GRPOTrainer (CPU, no vLLM),
 one process at a time, for several seeds.
 
-    rollwise bench e2e --vs trl --seeds 0 1 2 --steps 30 --target 0.55 [key=value ...]
+    rollwise bench e2e --vs trl --seeds 0 1 2 --steps 30 --target 0.80 [key=value ...]
 
 Reports, as medians over the seeds: training wall time to reach a held-out greedy pass@1
 target (evaluation time excluded for both; "not reached" counts as infinite), seconds per
 step, and final pass@1. Both are evaluated by rollwise's evaluate() every run.eval_every
 steps. The warm start is trained once (run.seed of --warm-seed) and shared by every run.
-Each run's metrics.jsonl lands under --root, so `rollwise report <root>/rollwise-seed0
-<root>/trl-seed0` overlays the two.
+Each run's metrics.jsonl lands under --root; <root>/report-e2e.html overlays all runs.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from rollwise.config import Config, dump_config, load_config
 
-DEFAULTS = ["run.eval_every=5", "run.log=quiet"]
+DEFAULTS = ["run.eval_every=1", "run.log=quiet"]  # eval every step: exact time to target
 
 
 def time_to_target(rows: list[dict], target: float, clock: str) -> float:
@@ -55,7 +54,8 @@ def summarize(framework: str, seed: int, rows: list[dict], target: float) -> dic
             "seconds_per_step": rows[-1]["train_seconds"] / max(len(steps), 1),
             "pass1_start": evals[0]["eval/pass1"], "pass1_final": evals[-1]["eval/pass1"],
             "pass1_best": max(r["eval/pass1"] for r in evals), "steps": len(steps),
-            "train_seconds": rows[-1]["train_seconds"]}
+            "train_seconds": rows[-1]["train_seconds"],
+            "curve": [(r["step"], r["train_seconds"], r["eval/pass1"]) for r in evals]}
 
 
 def warm_model(cfg: Config, log) -> Path:
@@ -74,6 +74,7 @@ def run_rollwise(cfg: Config, target: float) -> dict:
 
 
 def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
     from rollwise import models
     from rollwise.bench.e2e_trl import run_trl as trl_train
@@ -96,8 +97,19 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
     out_dir = Path(cfg.run.root) / cfg.run.name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(dump_config(cfg))
-    result = trl_train(cfg, task, warm, out_dir, eval_fn, log=log)
+    threads = torch.get_num_threads()
+    if cfg.run.threads:  # the same torch threads as rollwise's Run uses
+        torch.set_num_threads(cfg.run.threads)
+    try:
+        result = trl_train(cfg, task, warm, out_dir, eval_fn, log=log)
+    finally:
+        torch.set_num_threads(threads)
     return summarize("trl", cfg.run.seed, result["rows"], target)
+
+
+def brief(result: dict) -> str:
+    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in result.items() if k != "curve")
 
 
 def median(values: list[float]) -> float:
@@ -120,11 +132,28 @@ def table(results: list[dict], target: float) -> str:
                      f"{m['pass1_final']:.3f} | {m['pass1_best']:.3f} |")
     if {"rollwise", "trl"} <= set(meds):
         a, b = meds["rollwise"], meds["trl"]
-        ratio = a["seconds_to_target"] / b["seconds_to_target"] if not math.isinf(
-            b["seconds_to_target"]) else 0.0
-        lines.append(f"\nrollwise / TRL: time to target {ratio:.2f}x, time per step "
+        ta, tb = a["seconds_to_target"], b["seconds_to_target"]
+        ratio = ("TRL did not reach it" if math.isinf(tb) else
+                 "rollwise did not reach it" if math.isinf(ta) else f"{ta / tb:.2f}x")
+        lines.append(f"\nrollwise / TRL (medians): time to target {ratio}, time per step "
                      f"{a['seconds_per_step'] / b['seconds_per_step']:.2f}x, final pass@1 "
                      f"{a['pass1_final']:.3f} vs {b['pass1_final']:.3f}")
+    return "\n".join(lines)
+
+
+def levels_table(results: list[dict], levels: list[float]) -> str:
+    """Median training seconds (and steps) to reach each pass@1 level, per framework."""
+    lines = ["| framework | " + " | ".join(f"s (steps) to pass@1 ≥ {x:.2f}" for x in levels)
+             + " |", "|---|" + "---|" * len(levels)]
+    for fw in dict.fromkeys(r["framework"] for r in results):
+        cells = []
+        for x in levels:
+            reach = [next(((s, t) for s, t, p in r["curve"] if p >= x - 1e-12), None)
+                     for r in results if r["framework"] == fw]
+            secs = median([math.inf if c is None else c[1] for c in reach])
+            steps = median([math.inf if c is None else c[0] for c in reach])
+            cells.append("not reached" if math.isinf(secs) else f"{secs:.0f} ({steps:g})")
+        lines.append(f"| {fw} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -144,8 +173,12 @@ def main(argv: list[str]) -> int:
                    help="the framework to compare with ('none': rollwise only)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=30, help="RL steps for both (train.steps)")
-    p.add_argument("--target", type=float, default=0.55, help="held-out pass@1 target")
+    p.add_argument("--target", type=float, default=0.80, help="held-out pass@1 target")
+    p.add_argument("--also", type=float, nargs="*", default=[0.70, 0.85],
+                   help="more pass@1 levels for the time-to-reach table")
     p.add_argument("--warm-seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads for both (1 suits a shared 2-core machine)")
     p.add_argument("--config")
     p.add_argument("--root", default="runs/bench-e2e")
     p.add_argument("--json", action="store_true")
@@ -154,7 +187,8 @@ def main(argv: list[str]) -> int:
     if args.vs == "trl":
         _require_trl()
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    base = [*DEFAULTS, *args.overrides, f"train.steps={args.steps}", f"run.root={args.root}"]
+    base = [*DEFAULTS, f"run.threads={args.threads}", *args.overrides,
+            f"train.steps={args.steps}", f"run.root={args.root}"]
     warm_cfg = load_config(args.config, [*base, f"run.seed={args.warm_seed}"])
     warm = warm_model(warm_cfg, log)
     log(f"shared warm start: {warm}")
@@ -163,12 +197,15 @@ def main(argv: list[str]) -> int:
         common = [*base, f"run.seed={seed}", f"run.init={warm}"]
         cfg = load_config(args.config, [*common, f"run.name=rollwise-seed{seed}"])
         results.append(run_rollwise(cfg, args.target))
-        log(f"rollwise seed {seed}: {results[-1]}")
+        log(f"rollwise seed {seed}: {brief(results[-1])}")
         if args.vs == "trl":
             cfg = load_config(args.config, [*common, f"run.name=trl-seed{seed}"])
             results.append(run_trl(cfg, warm, args.target, log))
-            log(f"trl seed {seed}: {results[-1]}")
+            log(f"trl seed {seed}: {brief(results[-1])}")
     log(f"benchmark wall time {time.time() - t0:.0f}s")
+    dirs = [Path(args.root) / f"{r['framework']}-seed{r['seed']}" for r in results]
+    from rollwise.report.report import write_report
+    log(f"curves overlaid: {write_report(dirs, Path(args.root) / 'report-e2e.html')}")
     if args.json:
         finite = (lambda x: None if isinstance(x, float) and math.isinf(x) else x)
         out = {"target": args.target, "steps": args.steps, "seeds": args.seeds,
@@ -178,6 +215,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(out, indent=2))  # "not reached" is null
     else:
         print(table(results, args.target))
+        print()
+        print(levels_table(results, sorted({args.target, *args.also})))
     return 0
 
 

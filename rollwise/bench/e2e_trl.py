@@ -125,6 +125,7 @@ class _Recorder:
         self.by_step[0] = {"step": 0, **self._eval(model), "wall_seconds": 0.0,
                            "train_seconds": 0.0}
         self._say(0)
+        self.eval_seconds = 0.0  # the clock starts after the step-0 evaluation
         self.t0 = self.t_last = time.time()
 
     def _eval(self, model) -> dict[str, float]:
@@ -141,6 +142,9 @@ class _Recorder:
                                                       "response/length_mean")]:
             if isinstance(logs.get(src), float) and math.isfinite(logs[src]):
                 row.setdefault(dst, logs[src])
+        if "response/length_mean" in row:
+            per_step = self.cfg.control.prompts_per_step * self.cfg.generate.group_size
+            row.setdefault("tokens/generated", row["response/length_mean"] * per_step)
         zero = logs.get("frac_reward_zero_std")
         if isinstance(zero, float) and math.isfinite(zero):
             row.setdefault("groups/mixed_share", 1 - zero)

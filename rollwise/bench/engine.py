@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -145,7 +146,9 @@ def bench_vllm_subprocess(args, python: str) -> list[dict]:
         models.save(model, tok, Path(tmp) / "model")
         cmd = [python, "-m", "rollwise.bench.engine", "--json", "--backends", "vllm",
                "--model-dir", str(Path(tmp) / "model"), "--repeats", str(args.repeats)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                                      "1")}
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode != 0:
             print(f"vLLM run failed:\n{out.stderr[-3000:]}", file=sys.stderr)
             return []

@@ -39,6 +39,9 @@ import time
 import torch
 
 PROMPT_LEN = RESPONSE_LEN = 16
+LINK_BYTES_PER_S = 10e9 / 8
+"""The modelled link of the `@10Gb/s` columns: measured push time plus bytes / 10 Gbit/s, for
+an engine on another machine (the measured push moves bytes through shared memory)."""
 
 
 class LeanTrainer:
@@ -181,7 +184,7 @@ def pg_step(model, opt, step: int, batch: int, vocab: int, seed: int) -> float:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def large_rows(args) -> list[dict]:
@@ -231,6 +234,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "bytes_ratio": med("full_bytes") / med("sparse_bytes"),
                     "full_s": med("full_s"), "sparse_s": med("sparse_s"),
                     "speedup": med("full_s") / med("sparse_s"),
+                    "full_link_s": med("full_s") + med("full_bytes") / LINK_BYTES_PER_S,
+                    "sparse_link_s": med("sparse_s") + med("sparse_bytes") / LINK_BYTES_PER_S,
                     "bit_exact": all(r["exact"] for r in rs),
                     "sparse_parts": {k: statistics.median(r["sparse_parts"][k] for r in rs)
                                      for k in rs[0]["sparse_parts"]},
@@ -242,13 +247,14 @@ def summarize(rows: list[dict]) -> list[dict]:
 def table(summary: list[dict]) -> str:
     head = (f"{'model':6} {'params':>8} {'lr':>7} {'steps':>5} {'density':>8} {'full MB':>9} "
             f"{'sparse MB':>9} {'bytes x':>8} {'full s':>7} {'sparse s':>8} {'speedup':>7} "
-            f"{'exact':>5}")
+            f"{'full@10Gb':>9} {'sparse@10Gb':>11} {'exact':>5}")
     lines = [head, "-" * len(head)]
     for s in summary:
         lines.append(f"{s['model']:6} {s['params'] / 1e6:7.1f}M {s['lr']:7.0e} {s['steps']:5d} "
                      f"{100 * s['density_mean']:7.3f}% {s['full_mb']:9.2f} {s['sparse_mb']:9.3f} "
                      f"{s['bytes_ratio']:8.1f} {s['full_s']:7.3f} {s['sparse_s']:8.3f} "
-                     f"{s['speedup']:7.2f} {'yes' if s['bit_exact'] else 'NO':>5}")
+                     f"{s['speedup']:7.2f} {s['full_link_s']:9.3f} {s['sparse_link_s']:11.3f} "
+                     f"{'yes' if s['bit_exact'] else 'NO':>5}")
     return "\n".join(lines)
 
 

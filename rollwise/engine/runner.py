@@ -9,9 +9,10 @@ written on transformers' attention interface (Qwen2, Llama, Mistral, ...):
 - `SlotCache.update` (the Cache protocol each attention layer calls) writes every row's K/V into
   its sequence's slot at its position and returns the whole layer cache;
 - `slot_attention` (registered as the attention implementation "rollwise_slots") reads the
-  step's `StepLayout`, attends each decode row to its own slot and runs each prefill causally over
-  its slot, all prefills in one padded call. The model gets a placeholder 4D mask, which HF's
-  mask preparation passes through untouched.
+  step's `StepLayout`, attends each decode row to its own slot (the scheduler keeps running
+  sequences in slots 0..n-1, so that is one slice of the cache, no gather) and runs every prefill
+  causally over the keys of this pass, all prefills in one padded call. The model gets a
+  placeholder 4D mask, which HF's mask preparation passes through untouched.
 
 So a prefill joins the running batch in the same forward pass, and the model's parameters are
 used as they are (weights written into `model.state_dict()` in place take effect at once).
@@ -19,10 +20,9 @@ used as they are (weights written into `model.state_dict()` in place take effect
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -237,21 +237,29 @@ class Runner:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (n, vocab) for `plan.sequences`, in order, and their last hidden states."""
         device = self.device
+        if plan.copies:  # copies may read rows the new shape drops: grow, copy, then shrink
+            self.cache.resize(max(plan.cache_rows, self.cache.rows),
+                              max(plan.cache_len, self.cache.length))
+            for src, dst, n in plan.copies:
+                self.cache.copy(src, dst, n)
         self.cache.resize(plan.cache_rows, plan.cache_len)
-        for src, dst, n in plan.copies:
-            self.cache.copy(src, dst, n)
         layout, ids, keep = build_layout(plan, device)
         self._want_hidden, self._hidden = want_hidden, None
         ids_t = torch.tensor(ids, dtype=torch.long)[None].to(device)
         _ACTIVE.layout = layout
+        training = self.model.training  # a shared model may be mid-training: no dropout here
         try:
+            if training:
+                self.model.eval()
             with self._slot_attention():
                 out = self.model(input_ids=ids_t, position_ids=layout.positions[None],
                                  attention_mask=_PLACEHOLDER_MASK.to(device),
                                  past_key_values=self.cache, use_cache=True,
                                  logits_to_keep=torch.tensor(keep).to(device))
         finally:
-            _ACTIVE.layout = None
+            _ACTIVE.layout = _ACTIVE.fresh = None
+            if training:
+                self.model.train()
         for src, dst, n in plan.after_copies:
             self.cache.copy(src, dst, n)
         hidden = self._hidden[0] if want_hidden and self._hidden is not None else None

@@ -13,7 +13,9 @@ from rollwise.report.data import RunData
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
           "#17becf", "#7f7f7f", "#bcbd22"]
 CATEGORY_COLORS = {"trained": "#2ca02c", "filtered": "#bbbbbb", "paused": "#1f77b4",
-                   "pruned": "#ff7f0e", "aborted": "#d62728", "unaccounted": "#444444"}
+                   "pruned": "#ff7f0e", "aborted": "#d62728", "unaccounted": "#444444",
+                   "dropped by trainer": "#8c564b"}
+GREYS = ["#bbbbbb", "#999999", "#d5d5d5", "#777777"]
 PHASE_ORDER = ["generate", "score", "filter", "control", "replay", "train", "sync", "eval"]
 
 
@@ -46,10 +48,12 @@ def _x_values(run: RunData, steps: list[float], axis: str) -> list[float]:
         cum = run.cumulative("tokens/generated")
         return [cum.get(int(s), 0.0) for s in steps]
     wall = dict(zip(*run.series("wall_seconds")))
-    return [wall.get(s, float("nan")) for s in steps]
+    origin = min(wall.values(), default=0.0)  # step 0: after warm start and model loading
+    return [wall.get(s, float("nan")) - origin for s in steps]
 
 
-AXIS_LABEL = {"step": "step", "tokens": "generated tokens", "wall": "wall time (s)"}
+AXIS_LABEL = {"step": "step", "tokens": "generated tokens",
+              "wall": "wall time since step 0 (s)"}
 
 
 def learning_curves(runs: list[RunData]) -> Figure:
@@ -62,7 +66,7 @@ def learning_curves(runs: list[RunData]) -> Figure:
             drawn = False
             for i, run in enumerate(runs):
                 steps, ys = run.series(key)
-                if not steps:
+                if not steps or (axis == "tokens" and "tokens/generated" not in run.keys()):
                     continue
                 ax.plot(_x_values(run, steps, axis), ys, color=_color(i), marker="o" if
                         key == "eval/pass1" else None, ms=3, lw=1.5, label=run.name)
@@ -97,9 +101,12 @@ def token_flow(runs: list[RunData]) -> Figure:
         if not cats or not steps:
             _empty(ax, "no token counts in the metrics")
             continue
-        bottom = [0.0] * len(steps)
+        bottom, n_filtered = [0.0] * len(steps), 0
         for j, (label, values) in enumerate(cats.items()):
-            color = CATEGORY_COLORS.get(label, COLORS[(j + 3) % 10])
+            kind = label.split(":")[0].split("_")[0]  # 'filtered: equal_reward' -> filtered
+            color = CATEGORY_COLORS.get(kind, COLORS[(j + 3) % 10])
+            if kind == "filtered":  # one grey per filter reason
+                color, n_filtered = GREYS[n_filtered % len(GREYS)], n_filtered + 1
             ax.bar(steps, values, bottom=bottom, width=1.0, color=color, label=label, lw=0)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_title(run.name, fontsize=9)

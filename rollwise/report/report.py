@@ -65,6 +65,12 @@ def _mean(xs: list[float]):
     return sum(xs) / len(xs) if xs else None
 
 
+def _since_start(run: RunData):
+    """Wall seconds from the step-0 row (warm start and loading excluded) to the end."""
+    wall = run.series("wall_seconds")[1]
+    return wall[-1] - wall[0] if wall else None
+
+
 def _pass1(run: RunData, which: str):
     vals = run.series("eval/pass1")[1]
     if not vals:
@@ -78,7 +84,8 @@ SUMMARY = [  # label, value of a run, format
     ("held-out pass@1 at end", lambda r: _pass1(r, "end"), "{:.3f}"),
     ("best held-out pass@1", lambda r: _pass1(r, "best"), "{:.3f}"),
     ("mean reward, last step", lambda r: _last(r, "reward/mean"), "{:.3f}"),
-    ("wall time (s)", lambda r: _last(r, "wall_seconds"), "{:,.1f}"),
+    ("wall time, whole run (s)", lambda r: _last(r, "wall_seconds"), "{:,.1f}"),
+    ("wall time since step 0 (s)", lambda r: _since_start(r), "{:,.1f}"),
     ("tokens generated", lambda r: sum(r.series("tokens/generated")[1]), "{:,.0f}"),
     ("tokens trained on", lambda r: sum(r.token_categories().get("trained", [])), "{:,.0f}"),
     ("mean seconds per step", lambda r: _mean(r.series("perf/step_seconds")[1]), "{:.2f}"),

@@ -59,7 +59,7 @@ class Receiver:
                     if indices is None:
                         flat.copy_(values)
                     else:
-                        flat[indices] = values
+                        flat.index_copy_(0, indices.long(), values)
             t1 = time.perf_counter()
             self._verify(meta, own)
         except Exception as e:

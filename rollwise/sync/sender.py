@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, digest,
@@ -112,8 +113,8 @@ class Sender:
             changed += n
             idt = index_dtype(s.numel)
             if sparse_wins(n, s.numel, mirror.element_size(), idt.itemsize):
-                values = new[idx]
-                mirror[idx] = values
+                values = new.index_select(0, idx)
+                mirror.index_copy_(0, idx, values)
                 parts[name] = (idx.to(idt), values)
                 items.append(Item(name, s.dtype, n, True, dtype_name(idt)))
             else:  # denser than break-even: this tensor goes whole
@@ -146,8 +147,33 @@ class Sender:
         return buf[:w.numel()].copy_(w)
 
     def _changed(self, new: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
-        """Flat int64 indices where the stored bits differ."""
-        if self._mask.numel() < new.numel():
-            self._mask = torch.empty(new.numel(), dtype=torch.bool)
-        mask = torch.ne(bits(new), bits(mirror), out=self._mask[:new.numel()])
-        return mask.nonzero().squeeze(1)
+        """Flat int64 indices (ascending) where the stored bits differ. Compared 8 bytes at a
+        time first (4 bf16 per word): at RL densities most words are equal, so the element-wise
+        work runs only on the few words that differ (2-3x faster on CPU at ~1% density)."""
+        per = 8 // new.element_size()
+        if per > 1 and new.numel() % per == 0:
+            try:
+                a, b = new.view(torch.int64), mirror.view(torch.int64)
+            except RuntimeError:  # storage offset not 8-byte aligned
+                pass
+            else:
+                words = flatnonzero(self._ne(a, b))
+                if words.numel() * 4 <= a.numel():  # else element-wise is cheaper
+                    x = (a.index_select(0, words) ^ b.index_select(0, words)).view(
+                        bits(new).dtype)  # the differing words, element by element
+                    hit = flatnonzero(x != 0)
+                    shift = per.bit_length() - 1
+                    return (words.index_select(0, hit >> shift) << shift) | (hit & (per - 1))
+        return flatnonzero(self._ne(bits(new), bits(mirror)))
+
+    def _ne(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self._mask.numel() < a.numel():
+            self._mask = torch.empty(a.numel(), dtype=torch.bool)
+        return torch.ne(a, b, out=self._mask[:a.numel()])
+
+
+def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 positions of the True elements of a 1-D mask; numpy's is ~4x faster on CPU."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)

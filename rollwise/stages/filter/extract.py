@@ -82,6 +82,8 @@ def normalize(answer: str | None) -> str | None:
     s = re.sub(r"\s+", "", s).rstrip(".").lower()
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
+    if re.fullmatch(r"-?0\d+", s):
+        return s  # a leading zero makes a digit string (e.g. reversed digits), not a number
     number = _as_fraction(s)
     if number is not None:
         return str(number.numerator) if number.denominator == 1 else f"{number}"
