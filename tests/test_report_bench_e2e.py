@@ -142,12 +142,15 @@ def test_recorder_keys_trl_logs_by_rollwise_step_and_excludes_eval_time(tmp_path
 
     def slow_eval(model):
         now["t"] += 10.0  # evaluation takes 10 s: not training time
+        torch.rand(3)  # and draws random numbers (a model clone's init does)
         return {"eval/pass1": 0.5}
     cfg = load_config(None, ["train.steps=2", "run.eval_every=1", "control.prompts_per_step=4",
                              "generate.group_size=2"])
     rec = e2e_trl._Recorder(cfg, 2, slow_eval, tmp_path / "m.jsonl", log=lambda m: None)
     model = torch.nn.Linear(1, 1)
+    rng = torch.get_rng_state()
     rec.start(model)
+    assert torch.equal(torch.get_rng_state(), rng)  # TRL's sampling stream is untouched
     # transformers' order per optimizer step: on_step_end, then on_log; TRL logs the
     # generation metrics at the first optimizer step of each generation batch
     for gs, dt, logs in [(1, 3.0, {"reward": 0.25, "completions/mean_length": 3.0,
@@ -164,6 +167,6 @@ def test_recorder_keys_trl_logs_by_rollwise_step_and_excludes_eval_time(tmp_path
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["reward/mean"] == 0.25 and rows[2]["reward/mean"] == 0.5  # nan ignored
     assert rows[1]["groups/mixed_share"] == 0.25
-    assert rows[2]["tokens/generated"] == 5.0 * 4 * 2
+    assert rows[2]["tokens/generated"] == rows[2]["tokens/trained"] == 5.0 * 4 * 2
     assert [r["train_seconds"] for r in rows] == [0.0, 4.0, 8.0]  # evals (10 s each) excluded
     assert rows[2]["perf/step_seconds"] == 4.0

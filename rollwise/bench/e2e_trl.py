@@ -131,7 +131,8 @@ class _Recorder:
     def _eval(self, model) -> dict[str, float]:
         t = time.time()
         was_training = model.training
-        out = self.eval_fn(model)
+        with torch.random.fork_rng(devices=[]):  # evaluating must not move TRL's sampling
+            out = self.eval_fn(model)
         model.train(was_training)
         self.eval_seconds += time.time() - t
         return out
@@ -145,6 +146,7 @@ class _Recorder:
         if "response/length_mean" in row:
             per_step = self.cfg.control.prompts_per_step * self.cfg.generate.group_size
             row.setdefault("tokens/generated", row["response/length_mean"] * per_step)
+            row.setdefault("tokens/trained", row["tokens/generated"])  # TRL trains on all
         zero = logs.get("frac_reward_zero_std")
         if isinstance(zero, float) and math.isfinite(zero):
             row.setdefault("groups/mixed_share", 1 - zero)

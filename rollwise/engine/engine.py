@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rollwise.engine.runner import Runner
-from rollwise.engine.sampling import SamplingParams, SeedStream, draw, entropy, sampling_logprobs
+from rollwise.engine.sampling import SamplingParams, SeedStream, sample
 from rollwise.engine.scheduler import (Event, Scheduler, Sequence, SeqStatus, StepOutput)
 
 
@@ -163,15 +163,8 @@ class Engine:
     # ---- sampling -------------------------------------------------------------------------------
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 hidden: torch.Tensor | None) -> StepOutput:
-        device = logits.device
         params = [s.params for s in seqs]
-        temp = torch.tensor([p.temperature for p in params], device=device)
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        logp = sampling_logprobs(logits, temp, top_k, top_p)  # (n, vocab)
-        u = torch.tensor([s.rng.next() for s in seqs], device=device, dtype=torch.float64)
-        tokens = draw(logp, u, temp == 0)
-        tok_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens, tok_logp, ent, logp = sample(logits, params, [s.rng.next() for s in seqs])
         self._last_logp = logp
         self._last_row = {s.seq_id: i for i, s in enumerate(seqs)}
         top = None
@@ -185,8 +178,8 @@ class Engine:
         if hidden is not None:
             rows = [hidden[i].float().cpu() if p.return_hidden else None
                     for i, p in enumerate(params)]
-        return StepOutput(tokens.tolist(), tok_logp.tolist(), entropy(logp).tolist(),
-                          self.version, top, rows)
+        return StepOutput(tokens.tolist(), tok_logp.tolist(), ent.tolist(), self.version, top,
+                          rows)
 
     # ---- control between steps --------------------------------------------------------------
     def fork(self, seq_id: int, n: int, *, seeds: list[int] | None = None,

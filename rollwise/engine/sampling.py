@@ -73,6 +73,61 @@ def draw(logprobs: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor) -
     return torch.where(greedy, logprobs.argmax(-1), sampled)
 
 
+def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row: (tokens, their log-probabilities, entropies, log-probabilities (n, V)),
+    all under the distribution sampled from. The same math as sampling_logprobs + draw +
+    entropy, with fewer tensor operations when every row shares its sampling settings (the
+    common case, where per-call overhead dominates a small model's step)."""
+    first = (params[0].temperature, params[0].top_k, params[0].top_p)
+    if all((p.temperature, p.top_k, p.top_p) == first for p in params):
+        logp = _uniform_logprobs(logits, *first)
+        greedy: bool | torch.Tensor = first[0] == 0
+    else:
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=dev)
+        logp = sampling_logprobs(logits, temp, torch.tensor([p.top_k for p in params], device=dev),
+                                 torch.tensor([p.top_p for p in params], device=dev))
+        greedy = temp == 0
+    probs = logp.exp()
+    if greedy is True:
+        tokens = logp.argmax(-1)
+    else:
+        tokens = _inverse_cdf(logp, probs, uniforms)
+        if greedy is not False:
+            tokens = torch.where(greedy, logp.argmax(-1), tokens)
+    token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    ent = -(probs * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)  # 0 * log 0 = 0
+    return tokens, token_logp, ent, logp
+
+
+def _uniform_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+                      ) -> torch.Tensor:
+    """sampling_logprobs for settings shared by every row (plain Python numbers)."""
+    scaled = logits.float()
+    if temperature > 0 and temperature != 1:
+        scaled = scaled / temperature
+    if top_k > 0 or top_p < 1:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        if top_k > 0:
+            sorted_logits[:, top_k:] = float("-inf")
+        if top_p < 1:
+            probs = sorted_logits.softmax(-1)
+            sorted_logits = sorted_logits.masked_fill(probs.cumsum(-1) - probs >= top_p,
+                                                      float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return scaled.log_softmax(-1)
+
+
+def _inverse_cdf(logp: torch.Tensor, probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    cdf = probs.cumsum(-1)
+    u = torch.tensor(uniforms, dtype=torch.float64).to(cdf.device, cdf.dtype)[:, None]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp_max(logp.shape[-1] - 1)
+    # never land on a zero-probability token through rounding at the top of the CDF
+    ok = probs.gather(-1, picked[:, None]).squeeze(-1) > 0
+    return torch.where(ok, picked, logp.argmax(-1))
+
+
 class SeedStream:
     """A per-request stream of uniforms."""
 
