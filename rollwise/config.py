@@ -113,6 +113,10 @@ class FilterConfig(Section):
     code_reward: Literal["all", "fraction"] = "all"
     sandbox: SandboxConfig = SandboxConfig()
     judge: JudgeConfig = JudgeConfig()
+    majority_min_ratio: float = Field(0.0, ge=0, lt=1)
+    """majority channel: a group gets a pseudo-label only when its most common answer holds
+    more than this share of its samples (0.5: a strict majority; 0: the plurality, as TTRL).
+    Ties never get a label."""
     drop_equal_reward_groups: bool = True
     """Drop groups whose rewards are all equal: their GRPO advantages are zero."""
 
@@ -123,6 +127,9 @@ class ControlConfig(Section):
     prompts_per_step: int = Field(64, gt=0)
     candidate_ratio: float = Field(4.0, ge=1)
     """DPS: candidate pool size as a multiple of prompts_per_step."""
+    dps_prior: Literal["flat", "stability", "progress", "local"] = "flat"
+    """DPS: Dirichlet prior of the transition counts (maoyixiu/DPS hmm_prior_alpha): flat (all
+    1), stability (staying in a state is twice as likely), progress, local."""
     decay: float = Field(1.0, ge=0, le=1)
     """DPS / Thompson: per-update decay of the per-prompt counts toward their prior."""
     target_success: float = Field(0.5, gt=0, lt=1)

@@ -103,3 +103,19 @@ def test_state_dict_round_trip_continues_identically(tiny):
     b = [[(s.uid, s.response_ids, s.logprobs, s.versions, s.status) for s in g.samples]
          for g in twin.carry]
     assert a == b and [g.problem for g in gen.carry] == [g.problem for g in twin.carry]
+
+
+def test_groups_completed_beyond_the_batch_are_carried_and_counted(tiny):
+    # one-token budget: every group in flight completes in the first engine step, so twice
+    # `want` groups finish at once and the surplus must wait for the next step
+    gen, engine, select = make(tiny, want=2, max_new=1)
+    ledger = Ledger()
+    first = gen.generate(engine, select, 2, step=1, ledger=ledger)
+    assert len(first) == 2 and len(gen.carry) == 2
+    assert all(s.finished for g in gen.carry for s in g.samples)
+    carried = sum(s.num_tokens for g in gen.carry for s in g.samples)
+    assert carried == 2 * 4 and ledger.tokens["paused_carried"] == carried
+    surplus = [g.prompt_id for g in gen.carry]
+    second = gen.generate(engine, select, 2, step=2, ledger=Ledger())
+    assert [g.prompt_id for g in second] == surplus  # held-over groups go first
+    assert {g.prompt_id for g in first}.isdisjoint(g.prompt_id for g in second)

@@ -106,3 +106,32 @@ def test_state_round_trips_and_continues_identically(make):
     b.load_state_dict(a.state_dict())
     ra, rb = random.Random(9), random.Random(9)
     assert [p.id for p in a.select(pool(20), 5, ra)] == [p.id for p in b.select(pool(20), 5, rb)]
+
+
+@pytest.mark.parametrize("prior", ["stability", "progress", "local"])
+def test_structured_priors_keep_the_invariants(prior):
+    rng = random.Random(1)
+    dps = DPSSelector(decay=0.7, prior_name=prior)
+    for step in range(1, 20):
+        chosen = dps.select(pool(20), 6, rng)
+        dps.observe({p.id: (rng.randint(0, 8), 8) for p in chosen}, step)
+    for pid in list(dps.prompts):
+        h = dps.hmm(pid)
+        assert np.allclose(column_normalize(h.alpha).sum(0), 1)
+        assert np.isclose(h.belief.sum(), 1) and (h.belief >= 0).all()
+
+
+def test_one_observation_ranks_mixed_over_unseen_over_solved():
+    # hand-computed: U adds the transition's soft count to row o; the prediction is column o
+    # of P. flat: (1, 4/3, 1) / (10/3); stability: (0.5, 1.5, 0.5) / 2.5
+    def after_one(prior):
+        dps = DPSSelector(prior_name=prior)
+        dps.observe({"mixed": (4, 8), "solved": (8, 8), "unsolved": (0, 8)}, 1)
+        return [dps.score(p) for p in ("mixed", "unseen", "solved", "unsolved")]
+    assert after_one("flat") == pytest.approx([0.4, 1 / 3, 0.3, 0.3])
+    assert after_one("stability") == pytest.approx([0.6, 1 / 3, 0.2, 0.2])
+
+
+def test_unknown_prior_is_refused_by_name():
+    with pytest.raises(ValueError, match="dps_prior"):
+        DPSSelector(prior_name="steady").hmm("x")

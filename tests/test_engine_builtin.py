@@ -183,8 +183,11 @@ def test_shared_model_keeps_its_attention_and_mode(wild):
     impl = wild.config._attn_implementation
     wild.train()
     try:
-        make(wild, copy_model=False).generate([Request(PROMPTS[0], SAMPLE)])
+        hidden = dataclasses.replace(SAMPLE, return_hidden=True)
+        got = make(wild, copy_model=False).generate([Request(PROMPTS[0], hidden)])
+        assert got[0].hidden is not None
         assert wild.config._attn_implementation == impl and wild.training
+        assert not wild.get_output_embeddings()._forward_pre_hooks  # nothing left behind
     finally:
         wild.eval()
 
@@ -200,3 +203,50 @@ def test_bad_requests_are_refused_with_the_fix(wild):
         engine.generate([Request(PROMPTS[0], SAMPLE)])
     with pytest.raises(ValueError, match="one per child"):
         engine.fork(0, 2, seeds=[1])
+
+
+def test_decode_windows_match_one_pass_per_step(wild):
+    """Passes run back to back inside one step() (nobody to admit, no event due) give the same
+    tokens, log-probabilities and events as one pass per step() (top_logprobs forces that),
+    including sequences that end on a stop id inside a window."""
+    params = [dataclasses.replace(SAMPLE, seed=s, max_new_tokens=6 + 3 * s) for s in range(6)]
+    first = make(wild).generate([Request(p, q) for p, q in zip(PROMPTS, params)])
+    stop = max(range(50), key=lambda t: sum(c.token_ids[1:].count(t) for c in first))
+    runs = {}
+    for name, top in (("windows", 0), ("single", 1)):
+        engine = make(wild, max_batch=6, segment=5)
+        ids = [engine.add(Request(p, dataclasses.replace(q, stop_ids=(stop,), top_logprobs=top)))
+               for p, q in zip(PROMPTS, params)]
+        steps, events = 0, []
+        while engine.has_unfinished():
+            events += engine.step()
+            steps += 1
+        runs[name] = steps, [[(e.token_ids, e.logprobs, e.entropies, e.finish_reason)
+                              for e in events if e.seq_id == i] for i in ids]
+    assert runs["windows"][1] == runs["single"][1]
+    assert runs["windows"][0] < runs["single"][0]  # several passes per step() call
+    reasons = {evs[-1][3] for evs in runs["windows"][1]}
+    assert reasons == {"stop", "length"}
+
+
+def test_batched_kv_copies_equal_one_by_one_copies():
+    """SlotCache.copy_many batches copies but must equal applying them in order, chains
+    (a row copied on after it was written in the same list) included."""
+    from rollwise.engine.runner import SlotCache
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        a, b = SlotCache(), SlotCache()
+        for c in (a, b):
+            c.rows, c.length = 6, 8
+        for layer in range(2):
+            k, v = torch.randn(6, 2, 8, 4, generator=gen), torch.randn(6, 2, 8, 4, generator=gen)
+            a.k[layer], a.v[layer], b.k[layer], b.v[layer] = k, v, k.clone(), v.clone()
+        copies = [tuple(int(x) for x in torch.randint(0, 6, (2,), generator=gen)) + (8,)
+                  for _ in range(4)]
+        copies = [c for c in copies if c[0] != c[1]]
+        a.copy_many(copies)
+        for src, dst, n in copies:
+            for store in (b.k, b.v):
+                for t in store.values():
+                    t[dst, :, :n] = t[src, :, :n]
+        assert all(torch.equal(a.k[i], b.k[i]) and torch.equal(a.v[i], b.v[i]) for i in a.k)

@@ -201,3 +201,41 @@ def test_random_workload_keeps_invariants_and_finishes_everything():
     for q in live:
         if q.status is SeqStatus.FINISHED:
             assert q.seq_id in done and q.done_reason() == q.finish_reason
+
+
+def test_decode_window_ends_at_the_first_event_limit_or_admission():
+    s = Scheduler(2, segment=4)
+    a, b, late = seq(max_new=3), seq(max_new=10), seq(max_new=2)
+    s.add(a), s.add(b)
+    plan, _ = fake_step(s)
+    assert s.decode_window(plan) == 1  # a prefill step runs alone
+    plan = s.schedule()
+    assert plan.decode == [a, b] and s.decode_window(plan) == 2  # a hits its limit after 2
+    events = s.update_window(plan, [[5, 6], [5, 6]], [[-0.1, -0.2]] * 2, [[1.0, 2.0]] * 2, 3)
+    assert [(e.seq_id, e.token_ids, e.finished) for e in events] == [(a.seq_id, [1, 5, 6], True)]
+    assert b.tokens == [1, 5, 6] and b.versions == [7, 3, 3] and b.cached == len(b.prompt) + 2
+    s.add(late)
+    plan = s.schedule()  # late takes a's slot: a prefill, so one pass
+    assert plan.prefill == [late] and s.decode_window(plan) == 1
+    s.update(plan, StepOutput([1, 1], [0.0] * 2, [0.0] * 2, 3))
+    plan = s.schedule()
+    assert s.decode_window(plan) == 1  # late is one token from its length limit
+    s.add(seq())
+    s.update(plan, StepOutput([2, 2], [0.0] * 2, [0.0] * 2, 3))  # late finishes, a slot frees
+    plan = s.schedule()
+    assert plan.prefill and s.decode_window(plan) == 1
+
+
+def test_update_window_cuts_a_sequence_at_its_stop_id():
+    s = Scheduler(2, segment=8)
+    a, b = seq(max_new=8, stop=(9,)), seq(max_new=8, stop=(9,))
+    s.add(a), s.add(b)
+    fake_step(s)
+    plan = s.schedule()
+    k = s.decode_window(plan)
+    assert k == 7
+    toks = [[2, 9, 4, 4, 4, 4, 4], [2] * 7]
+    events = s.update_window(plan, toks, [[-1.0] * k] * 2, [[0.5] * k] * 2, 1)
+    assert [(e.seq_id, e.token_ids, e.finish_reason) for e in events] == [
+        (a.seq_id, [1, 2, 9], "stop"), (b.seq_id, [1] + [2] * 7, "length")]
+    assert a.logprobs == [-0.5, -1.0, -1.0] and not s.running and len(s.free_slots) == 2

@@ -125,33 +125,43 @@ def test_unknown_verifier_and_bad_import_are_clear_errors(task):
 
 # --- majority vote ------------------------------------------------------------------------
 
-def naive_majority(answers: list[str | None]) -> tuple[str | None, int]:
-    best, n = None, 0
-    for a in answers:  # first answer with the highest count
-        if a is not None and answers.count(a) > n:
-            best, n = a, answers.count(a)
-    return best, n
+def naive_majority(answers: list[str | None], min_ratio: float = 0.0) -> tuple[str | None, int]:
+    """Reference by brute force: count every distinct answer; the label is the single answer
+    with the highest count, if it holds more than min_ratio of all samples (None never votes)."""
+    counts = {a: answers.count(a) for a in set(answers) if a is not None}
+    n = max(counts.values(), default=0)
+    winners = [a for a, k in counts.items() if k == n]
+    if len(winners) != 1 or n <= min_ratio * len(answers):
+        return None, n
+    return winners[0], n
 
 
-def test_majority_vote_matches_a_naive_count_and_ignores_labels(task):
+@pytest.mark.parametrize("min_ratio", [0.0, 0.5])
+def test_majority_vote_matches_a_naive_count_and_ignores_labels(task, min_ratio):
     import random
     rng = random.Random(0)
-    problems = task.eval[:6]
-    groups = [[rng.choice(["12", "21", "33", "", "12 "]) for _ in range(8)] for _ in problems]
+    problems = task.eval[:12]
+    groups = [[rng.choice(["12", "21", "33", "", "12 ", "."]) for _ in range(8)]
+              for _ in problems]
     s, probs, texts = samples_for(problems, groups)
-    m = build_filter(FilterConfig(reward="majority"), task).score(s, probs, texts)
-    ratios = []
+    cfg = FilterConfig(reward="majority", majority_min_ratio=min_ratio)
+    m = build_filter(cfg, task).score(s, probs, texts)
+    ratios, labels = [], []
     for g, group in enumerate(groups):
-        answers = [t.strip()[::-1] or None for t in group]  # arith's extractor, by hand
-        label, n = naive_majority(answers)
+        answers = [t.strip().lstrip(".")[::-1] or None for t in group]  # arith's extractor
+        label, n = naive_majority(answers, min_ratio)
         ratios.append(n / len(group))
+        labels.append(label)
         for j, a in enumerate(answers):
             assert s[g * 8 + j].reward == float(label is not None and a == label)
     assert m["filter/majority_ratio"] == pytest.approx(sum(ratios) / len(ratios))
+    assert m["filter/majority_labelled"] == pytest.approx(
+        sum(x is not None for x in labels) / len(labels))
+    assert None in labels and any(x is not None for x in labels)  # the draw covers both cases
     # labels hidden: scrambled reference answers change nothing but the label diagnostic
     wrong = [Problem(p.id, p.prompt, "999999", p.tier) for p in probs]
     s2 = [Sample(prompt_id=x.prompt_id, prompt_ids=[1], group_id=x.group_id) for x in s]
-    m2 = build_filter(FilterConfig(reward="majority"), task).score(s2, wrong, texts)
+    m2 = build_filter(cfg, task).score(s2, wrong, texts)
     assert [x.reward for x in s2] == [x.reward for x in s]
     assert m2["filter/majority_label_acc"] == 0.0
 
@@ -162,12 +172,43 @@ def test_majority_ties_normalisation_and_empty_groups():
     v = MajorityVerifier()
     out = v.score(items(["1/2", "0.5", "\\frac{1}{2}", "3", "3"]))
     assert [o.rewards["majority"] for o in out] == [1, 1, 1, 0, 0]
-    assert v.metrics() == {"filter/majority_ratio": 0.6, "filter/majority_label_acc": 1.0}
-    out = v.score(items(["7", "8", "8", "7"]))  # a tie goes to the first answer seen
-    assert [o.rewards["majority"] for o in out] == [1, 0, 0, 1]
+    assert v.metrics() == {"filter/majority_ratio": 0.6, "filter/majority_labelled": 1.0,
+                           "filter/majority_label_acc": 1.0}
+    out = v.score(items(["7", "8", "8", "7", "9"]))  # a tie for the top: no label, no reward
+    assert [o.rewards["majority"] for o in out] == [0] * 5
+    assert "label=None" in out[0].info
+    assert v.metrics() == {"filter/majority_ratio": 0.4, "filter/majority_labelled": 0.0}
     out = v.score(items([None, None]))  # nobody answered: no label, no reward
     assert [o.rewards["majority"] for o in out] == [0, 0]
     assert v.metrics()["filter/majority_ratio"] == 0.0
+
+
+def test_unanswered_samples_never_vote_but_count_in_the_group_size():
+    def items(answers):
+        return [Item(str(a), Problem("p", "q", "3"), a) for a in answers]
+    # five samples without an answer (None, empty, blank, LaTeX-empty) outnumber the "3"s
+    answers = [None, "", "  ", "$$", None, "3", "3", "4"]
+    out = MajorityVerifier().score(items(answers))  # plurality: "3" wins, no answer never does
+    assert [o.rewards["majority"] for o in out] == [0, 0, 0, 0, 0, 1, 1, 0]
+    strict = MajorityVerifier(min_ratio=0.5)  # 2 of 8 is no strict majority: no label
+    assert [o.rewards["majority"] for o in strict.score(items(answers))] == [0] * 8
+    assert strict.metrics()["filter/majority_labelled"] == 0.0
+    # a strict majority: 5 of 8 agree; the other three (one disagrees) get 0
+    out = strict.score(items(["3", "3", "4", "3", None, "3", "3", "5"]))
+    assert [o.rewards["majority"] for o in out] == [1, 1, 0, 1, 0, 1, 1, 0]
+    exactly_half = strict.score(items(["3", "3", "4", "5"]))  # 2 of 4 is not more than half
+    assert [o.rewards["majority"] for o in exactly_half] == [0] * 4
+    with pytest.raises(ValueError, match="majority_min_ratio = 1.0"):
+        MajorityVerifier(min_ratio=1.0)
+
+
+def test_groups_are_voted_separately():
+    a = [Item("x", Problem("p", "q", "1"), x, group=0) for x in ["1", "1", "2"]]
+    b = [Item("x", Problem("r", "q", "5"), x, group=1) for x in ["2", "5", "5"]]
+    v = MajorityVerifier()
+    out = v.score(a + b)
+    assert [o.rewards["majority"] for o in out] == [1, 1, 0, 0, 1, 1]
+    assert v.metrics()["filter/majority_label_acc"] == 1.0
 
 
 # --- judge --------------------------------------------------------------------------------

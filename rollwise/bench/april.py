@@ -6,6 +6,13 @@ The built-in tiers with geometric '.' filler before the answer (task.filler_mean
 long-tailed response lengths. Both modes start from the same warm-start model, train for the
 same number of steps with the same budget (prompts_per_step groups of group_size), and report
 rollout-phase throughput: tokens of the groups handed to the trainer per second of generation.
+A token counts when its group is trained on: APRIL's carried samples count in the step that
+trains them, and what is still carried at the end counts nowhere (its generation time does).
+The run fails if decoded tokens != trained + carried tokens.
+
+Also reported: trained tokens per engine forward pass (decode tick), the cost model of
+METHODS.md §1, which is what a memory-bound GPU decoder pays. On a CPU a tick's cost grows with
+the rows in it, so the wall-clock gain is smaller than the tick gain.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 from rollwise.config import load_config
 
@@ -28,15 +36,31 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
                                     f"run.root={root}", f"run.name=april-{mode}",
                                     f"run.init={init}"])
     run = Run(cfg, Progress("quiet"))
+    engine, ticks = run.engine, [0]
+    engine_step = engine.step
+
+    def counted_step():  # one forward pass of the engine = one decode tick
+        ticks[0] += 1
+        return engine_step()
+    engine.step = counted_step
+    decoded0, prefill0 = engine.tokens_generated, engine.prefill_tokens
     rows = [run.step(step) for step in range(1, steps + 1)]
     gen_s = sum(r["perf/gen_seconds"] for r in rows)
     batch = sum(r["tokens/batch"] for r in rows)
-    generated = sum(r["tokens/generated"] for r in rows)
+    decoded = engine.tokens_generated - decoded0
+    carried = rows[-1].get("tokens/paused_carried", 0.0)
+    if decoded != batch + carried:  # every sampled token is trained on or still carried
+        raise RuntimeError(f"{mode}: {decoded} tokens decoded but {batch} trained + "
+                           f"{carried} carried")
+    per_step = [r["tokens/batch"] / r["perf/gen_seconds"] for r in rows[1:]]  # after step 1
     return {"mode": mode, "gen_seconds": gen_s, "batch_tokens": batch,
-            "generated_tokens": generated, "throughput": batch / gen_s,
+            "decoded_tokens": decoded, "prefill_tokens": engine.prefill_tokens - prefill0,
+            "ticks": ticks[0], "throughput": batch / gen_s,
+            "step_throughput_median": statistics.median(per_step) if per_step else None,
+            "tokens_per_tick": batch / ticks[0],
             "stale_tokens": sum(r["tokens/stale"] for r in rows),
-            "carried_tokens_end": rows[-1].get("tokens/paused_carried", 0.0),
-            "median_length": statistics.median(r["response/length_mean"] for r in rows)}
+            "carried_tokens_end": carried,
+            "mean_length": statistics.mean(r["response/length_mean"] for r in rows)}
 
 
 def main(argv: list[str]) -> int:
@@ -63,19 +87,32 @@ def main(argv: list[str]) -> int:
     med = {m: statistics.median(x["throughput"] for x in rs) for m, rs in results.items()}
     ratios = [a["throughput"] / s["throughput"] for a, s in zip(results["april"],
                                                                  results["none"])]
+    tick_ratios = [a["tokens_per_tick"] / s["tokens_per_tick"]
+                   for a, s in zip(results["april"], results["none"])]
     out = {"steps": args.steps, "repeats": args.repeats, "runs": results,
            "median_throughput": med, "speedup_median": statistics.median(ratios),
-           "speedups": ratios}
+           "speedups": ratios, "tick_speedup_median": statistics.median(tick_ratios),
+           "tick_speedups": tick_ratios}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print("| mode | batch tokens/s (median) | gen s per run | generated tokens | stale tokens |")
-    print("|---|---|---|---|---|")
+    cols = [("gen_seconds", ".2f"), ("batch_tokens", ".0f"), ("decoded_tokens", ".0f"),
+            ("carried_tokens_end", ".0f"), ("prefill_tokens", ".0f"), ("ticks", ".0f"),
+            ("tokens_per_tick", ".1f"), ("stale_tokens", ".0f")]
+    print("| mode | trained tokens/s | " + " | ".join(c.replace("_", " ") for c, _ in cols)
+          + " |")
+    print("|---|---|" + "---|" * len(cols))
     for m, label in (("none", "synchronous groups"), ("april", "APRIL")):
         rs = results[m]
-        print(f"| {label} | {med[m]:.0f} | {statistics.median(x['gen_seconds'] for x in rs):.1f}"
-              f" | {statistics.median(x['generated_tokens'] for x in rs):.0f} | "
-              f"{statistics.median(x['stale_tokens'] for x in rs):.0f} |")
-    print(f"\nAPRIL / synchronous throughput: {out['speedup_median']:.2f}x (median of "
-          f"{args.repeats} paired runs: {', '.join(f'{x:.2f}' for x in ratios)})")
+        print(f"| {label} | {med[m]:.0f} | " + " | ".join(
+            format(statistics.median(x[c] for x in rs), f) for c, f in cols) + " |")
+    print(f"\nAPRIL / synchronous, trained tokens per second of generation: "
+          f"{out['speedup_median']:.2f}x (median of {args.repeats} paired runs: "
+          f"{', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"APRIL / synchronous, trained tokens per engine forward pass (decode tick): "
+          f"{out['tick_speedup_median']:.2f}x ({', '.join(f'{x:.2f}' for x in tick_ratios)})")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -9,7 +9,8 @@ engine produces the same number of tokens; tokens/s counts those requested token
   longtail  geometric lengths (median ~12) with 1 in 20 responses 10x the median: RL rollouts
   rl        the default RL step: 64 prompts x 8 samples x 8 tokens
 each with 256 requests through 64 slots (HF `generate`: 4 padded batches of 64) and with 64
-requests in one batch (rl: 512 in one batch). Greedy decoding. Median of --repeats runs.
+requests in one batch (rl: 512 in one batch). Greedy decoding. Median of --repeats runs,
+taken in turn across backends.
 vLLM runs in .venv-vllm (scripts/setup_vllm.sh) as a subprocess on a saved copy of the model.
 """
 
@@ -100,14 +101,19 @@ def run_vllm(engine, prompts, lengths, slots) -> int:
     return sum(len(c.token_ids) for c in engine.generate(reqs))  # max_batch = slots
 
 
-def measure(fn, repeats: int) -> tuple[float, int]:
-    fn()  # warm-up
-    rates, tokens = [], 0
+def measure(fns: dict, repeats: int) -> dict[str, tuple[float, int]]:
+    """Median tokens/s of each backend; one warm-up each, then the repeats taken in turn
+    (builtin, hf, builtin, hf, ...) so a change in the shared machine's load hits both alike."""
+    for fn in fns.values():
+        fn()
+    rates: dict[str, list[float]] = {name: [] for name in fns}
+    tokens: dict[str, int] = {}
     for _ in range(repeats):
-        t = time.perf_counter()
-        tokens = fn()
-        rates.append(tokens / (time.perf_counter() - t))
-    return statistics.median(rates), tokens
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            tokens[name] = fn()
+            rates[name].append(tokens[name] / (time.perf_counter() - t))
+    return {name: (statistics.median(rates[name]), tokens[name]) for name in fns}
 
 
 def bench_local(args, backends: list[str]) -> list[dict]:
@@ -118,6 +124,7 @@ def bench_local(args, backends: list[str]) -> list[dict]:
     rows = []
     for kind, n, slots in SCENARIOS:
         prompts, lengths = prompts_for(kind, n, min(vocab, 50)), lengths_for(kind, n)
+        fns = {}
         for name in backends:
             if name == "vllm":
                 if slots not in vllm_engines:
@@ -126,11 +133,11 @@ def bench_local(args, backends: list[str]) -> list[dict]:
                                                      entropy_logprobs=1,
                                                      max_model_len=256)
                 eng = vllm_engines[slots]
-                fn = lambda: run_vllm(eng, prompts, lengths, slots)  # noqa: E731
+                fns[name] = lambda eng=eng: run_vllm(eng, prompts, lengths, slots)
             else:
                 run = run_builtin if name == "builtin" else run_hf
-                fn = lambda run=run: run(model, prompts, lengths, slots)  # noqa: E731
-            rate, tokens = measure(fn, args.repeats)
+                fns[name] = lambda run=run: run(model, prompts, lengths, slots)
+        for name, (rate, tokens) in measure(fns, args.repeats).items():
             rows.append(dict(scenario=kind, requests=n, slots=slots, backend=name,
                              tokens=tokens, tokens_per_s=round(rate, 1)))
             if not args.json:

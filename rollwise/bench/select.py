@@ -1,12 +1,19 @@
 """Prompt selection: uniform, DAPO dynamic sampling, Thompson (MoPPS) and DPS.
 
-    rollwise bench select [--seeds 0 1 2] [--target 0.5] [--max-steps 200] [key=value ...]
+    rollwise bench select [--seeds 0 1 2] [--target 0.73] [--max-steps 200] [key=value ...]
 
 Each method trains from the same warm start on a small pool of prompts that recur (so
 per-prompt statistics can be learned), most of them solved or out of reach. Reported per
-method: the share of generated groups with mixed rewards, and the rollouts (samples generated)
-needed until held-out pass@1 first reaches the target, median over seeds. A run that never
-reaches it counts as not reached (its rollouts at max steps are shown with '>').
+method: the share of generated groups with mixed rewards, and the rollouts (samples generated,
+discarded groups included) needed until held-out pass@1 first reaches the target, median over
+seeds. A run that never reaches it counts as not reached (its rollouts at max steps are shown
+with '>').
+
+The warm start is the default one (model.* and sft.* overrides apply; the task mix and pool
+size do not): SFT on the small RL pool itself would memorize each prompt's noisy answer.
+Held-out pass@1 is measured whenever --eval-rollouts more samples have been generated, so every
+method is judged at the same rollout granularity (a dynamic-sampling step larger than that is
+evaluated after each step).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 from rollwise.config import load_config
 
@@ -27,27 +35,30 @@ DEFAULTS = ["task.train_size=512", "run.log=quiet", "run.report=false", "run.eva
 
 
 def run_method(base: list[str], method: str, seed: int, target: float, max_steps: int,
-               eval_every: int, root: str, init: str) -> dict:
+               eval_rollouts: int, root: str, init: str) -> dict:
     from rollwise.loop.sync import Run
     from rollwise.report.progress import Progress
     cfg = load_config(None, base + METHODS[method] + [
         f"run.seed={seed}", f"train.steps={max_steps}", f"run.root={root}",
         f"run.name=select-{method}-{seed}", f"run.init={init}"])
     run = Run(cfg, Progress("quiet"))
-    mixed = scored = 0
-    reached, curve = None, []
+    mixed = scored = trained = 0
+    reached, curve, next_eval = None, [], eval_rollouts
     for step in range(1, max_steps + 1):
         m = run.step(step)
         mixed += m["groups/mixed_share"] * m["groups/scored"]
         scored += m["groups/scored"]
-        if step % eval_every == 0:
-            p1 = run.evaluate()["eval/pass1"]
-            curve.append((step, run.totals["rollouts"], p1))
-            if p1 >= target:
+        trained += m["groups/trained"]
+        if run.totals["rollouts"] >= next_eval or step == max_steps:
+            next_eval = run.totals["rollouts"] + eval_rollouts
+            ev = run.evaluate()
+            curve.append((step, run.totals["rollouts"], ev["eval/pass1"]))
+            if ev["eval/pass1"] >= target:
                 reached = {"step": step, "rollouts": run.totals["rollouts"]}
                 break
     return {"method": method, "seed": seed, "mixed_share": mixed / scored, "reached": reached,
-            "rollouts_total": run.totals["rollouts"], "curve": curve}
+            "rollouts_total": run.totals["rollouts"], "steps": step, "groups_scored": scored,
+            "groups_trained": trained, "eval_end": ev, "curve": curve}
 
 
 def main(argv: list[str]) -> int:
@@ -55,23 +66,37 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--target", type=float, default=0.5)
+    p.add_argument("--target", type=float, default=0.73)
     p.add_argument("--max-steps", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-rollouts", type=int, default=1280,
+                   help="evaluate held-out pass@1 every this many generated samples")
+    p.add_argument("--init", help="start every run from this model folder (no warm start)")
     p.add_argument("--root", default="runs/bench-select")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--progress", action="store_true", help="print each run's curve as it ends")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     from rollwise import models
     from rollwise.tasks import load_task
     from rollwise.train.sft import warm_start
     base = DEFAULTS + args.overrides
-    cfg = load_config(None, base + [f"run.root={args.root}"])
-    model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
-    init = f"{args.root}/warm-start"
-    models.save(model, tok, init)
-    rows = [run_method(base, m, s, args.target, args.max_steps, args.eval_every, args.root,
-                       init) for s in args.seeds for m in args.methods]
+    init = args.init
+    if init is None:
+        warm = [o for o in args.overrides if o.startswith(("model.", "sft."))]
+        cfg = load_config(None, warm + [f"run.root={args.root}"])
+        model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
+        init = f"{args.root}/warm-start"
+        models.save(model, tok, init)
+    rows = []
+    for s in args.seeds:
+        for m in args.methods:
+            rows.append(run_method(base, m, s, args.target, args.max_steps, args.eval_rollouts,
+                                   args.root, init))
+            if args.progress:
+                r = rows[-1]
+                print(f"# {m} seed {s}: mixed {r['mixed_share']:.2f} reached {r['reached']} "
+                      f"rollouts {r['rollouts_total']} steps {r['steps']} curve "
+                      f"{[(c[0], c[1], round(c[2], 3)) for c in r['curve']]}", flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -97,3 +122,7 @@ def main(argv: list[str]) -> int:
     if "dps" in medians and "uniform" in medians and medians["uniform"] != float("inf"):
         print(f"DPS / uniform rollouts: {medians['dps'] / medians['uniform']:.2f}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

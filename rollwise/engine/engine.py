@@ -90,7 +90,7 @@ class Engine:
         self._next_id = 0
         self._vocab = model.get_input_embeddings().num_embeddings
         self._last_logp: torch.Tensor | None = None  # the latest step's sampled distributions
-        self._last_row: dict[int, int] = {}  # seq_id -> its row in _last_logp
+        self._last_seqs: list[Sequence] = []  # the sequences of _last_logp's rows
         self._ready: list[Event] = []  # events of forks that ended at birth
 
     @property
@@ -124,7 +124,10 @@ class Engine:
         return self.scheduler.has_work() or bool(self._ready)
 
     def step(self) -> list[Event]:
-        """One forward pass: every running sequence gets a token, waiting ones are admitted."""
+        """One forward pass: every running sequence gets a token, waiting ones are admitted.
+        When nobody can be admitted and no sequence is due an event, the passes up to the next
+        event (a segment boundary, a length limit or a stop id) run in this one call: events
+        come at the same tokens, with less bookkeeping per token."""
         events, self._ready = self._ready, []
         plan = self.scheduler.schedule()
         if not plan.sequences:
@@ -132,11 +135,43 @@ class Engine:
             return events
         seqs = plan.sequences
         want_hidden = any(s.params.return_hidden for s in seqs)
+        if not want_hidden and not any(s.params.top_logprobs for s in seqs):
+            steps = self.scheduler.decode_window(plan)
+            if steps > 1:
+                return events + self._window(plan, steps)
         logits, hidden = self.runner.forward(plan, want_hidden)
         out = self._sample(seqs, logits, hidden)
         self.tokens_generated += len(seqs)
         self.prefill_tokens += plan.num_tokens - len(plan.decode)
         return events + self.scheduler.update(plan, out)
+
+    def _window(self, plan: StepPlan, steps: int) -> list[Event]:
+        """Up to `steps` decode passes back to back (Scheduler.decode_window): the same sampling
+        per pass, the results kept as tensors and turned into lists once at the end. A pass that
+        samples a stop id ends the window, so finish events come at the same step as step by
+        step (callers such as APRIL react to them)."""
+        seqs = plan.decode
+        params = [s.params for s in seqs]
+        draw = any(p.temperature > 0 for p in params)
+        stops = _stop_table(params, self.runner.device)
+        picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def choose(logits: torch.Tensor) -> torch.Tensor | None:
+            uniforms = [s.rng.next() for s in seqs] if draw else [0.0] * len(seqs)
+            tokens, tok_logp, ent, logp = sample(logits, params, uniforms)
+            picked.append((tokens, tok_logp, ent))
+            self._last_logp = logp
+            if stops is not None and bool((tokens[:, None] == stops).any()):
+                return None
+            return tokens
+
+        self.runner.decode_window(plan, steps, choose)
+        self._last_seqs = seqs
+        tokens, logps, ents = (torch.stack(x, dim=1).tolist() for x in zip(*picked))
+        before = sum(len(s.tokens) for s in seqs)
+        events = self.scheduler.update_window(plan, tokens, logps, ents, self.version)
+        self.tokens_generated += sum(len(s.tokens) for s in seqs) - before
+        return events
 
     def stream(self) -> Iterator[Event]:
         """Step until nothing is waiting or running, yielding events as they come."""
@@ -164,9 +199,11 @@ class Engine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 hidden: torch.Tensor | None) -> StepOutput:
         params = [s.params for s in seqs]
-        tokens, tok_logp, ent, logp = sample(logits, params, [s.rng.next() for s in seqs])
-        self._last_logp = logp
-        self._last_row = {s.seq_id: i for i, s in enumerate(seqs)}
+        # greedy rows never read their stream: an all-greedy step draws nothing
+        draw = any(p.temperature > 0 for p in params)
+        uniforms = [s.rng.next() for s in seqs] if draw else [0.0] * len(seqs)
+        tokens, tok_logp, ent, logp = sample(logits, params, uniforms)
+        self._last_logp, self._last_seqs = logp, seqs
         top = None
         k = max(p.top_logprobs for p in params)
         if k:
@@ -221,7 +258,7 @@ class Engine:
                          top_logprobs=list(parent.top_logprobs), hidden=parent.hidden,
                          parent=parent.seq_id, branch_point=n, emitted=n)
         if last_tokens is not None:
-            row = self._last_row.get(parent.seq_id)
+            row = next((i for i, s in enumerate(self._last_seqs) if s is parent), None)
             if not n or row is None:
                 raise ValueError(f"fork(last_tokens=...) of sequence {parent.seq_id}: it has "
                                  f"sampled no token in the latest step; fork it right after "
@@ -267,6 +304,15 @@ class Engine:
                 else:
                     _scatter(name, target, *value)
         self.version = version
+
+
+def _stop_table(params: list[SamplingParams], device: torch.device) -> torch.Tensor | None:
+    """(rows, most stop ids) of each row's stop ids, padded with -1; None if no row has any."""
+    width = max(len(p.stop_ids) for p in params)
+    if not width:
+        return None
+    return torch.tensor([list(p.stop_ids) + [-1] * (width - len(p.stop_ids)) for p in params],
+                        device=device)
 
 
 def _scatter(name: str, target: torch.Tensor, indices: torch.Tensor,

@@ -10,17 +10,22 @@ written on transformers' attention interface (Qwen2, Llama, Mistral, ...):
   its sequence's slot at its position and returns the whole layer cache;
 - `slot_attention` (registered as the attention implementation "rollwise_slots") reads the
   step's `StepLayout`, attends each decode row to its own slot (the scheduler keeps running
-  sequences in slots 0..n-1, so that is one slice of the cache, no gather) and runs every prefill
-  causally over the keys of this pass, all prefills in one padded call. The model gets a
-  placeholder 4D mask, which HF's mask preparation passes through untouched.
+  sequences in slots 0..n-1, so that is one slice of the cache, no gather; a key mask only when
+  the rows sit at different positions) and runs every prefill causally over the keys of this
+  pass, all prefills in one padded call. The model gets a placeholder 4D mask, which HF's mask
+  preparation passes through untouched.
 
 So a prefill joins the running batch in the same forward pass, and the model's parameters are
 used as they are (weights written into `model.state_dict()` in place take effect at once).
+`Runner.decode_window` runs several decode-only passes back to back, moving the layout one
+position on per pass instead of rebuilding it from the scheduler's sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,13 +45,15 @@ class StepLayout:
     n_decode: int
     decode_slots: torch.Tensor | None  # (nd,) long; None: the decode rows are slots 0..nd-1
     decode_len: int  # keys 0..decode_len-1 cover every decode row
-    decode_mask: torch.Tensor | None  # (nd, 1, 1, decode_len) bool: key position <= row position
+    decode_mask: torch.Tensor | None  # (nd, 1, 1, decode_len) additive: -inf past a row's
+    # position; None when every decode row sits at position decode_len - 1 (nothing to mask)
     prefill_slots: torch.Tensor | None  # (m,) long
     prefill_len: int  # longest prefill (P)
     prefill_index: torch.Tensor | None  # (m, P) long into the prefill rows; None: all equal P
     prefill_valid: torch.Tensor | None  # (m * P,) long: padded positions that are real rows
     slots: torch.Tensor  # (N,) long
     positions: torch.Tensor  # (N,) long
+    column: int | None = None  # decode-only step, rows in slots 0..N-1 all at this position
 
 
 _ACTIVE = threading.local()  # the StepLayout of the pass running on this thread
@@ -86,9 +93,42 @@ class SlotCache:
         self.rows, self.length = rows, length
 
     def copy(self, src: int, dst: int, n: int) -> None:
+        self.copy_many([(src, dst, n)])
+
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """Apply (src slot, dst slot, positions) copies in order, batched: one gather and one
+        scatter per layer for each run of copies that reads no row written earlier in the run
+        (a group's followers, fork children and slot moves come many per step). A destination is
+        a slot being handed over, so copying it more positions than asked is harmless."""
+        batch: list[tuple[int, int, int]] = []
+        written: set[int] = set()
+        for c in copies:
+            if c[0] in written or c[1] in written:
+                self._copy_rows(batch)
+                batch, written = [], set()
+            batch.append(c)
+            written.add(c[1])
+        self._copy_rows(batch)
+
+    def _copy_rows(self, batch: list[tuple[int, int, int]]) -> None:
+        if not batch:
+            return
+        n = max(c[2] for c in batch)
+        if len(batch) == 1:
+            src, dst, _ = batch[0]
+            for store in (self.k, self.v):
+                for t in store.values():
+                    t[dst, :, :n] = t[src, :, :n]
+            return
+        first = next(iter(self.k.values()), None)
+        if first is None:
+            return
+        src = torch.tensor([c[0] for c in batch], device=first.device)
+        dst = torch.tensor([c[1] for c in batch], device=first.device)
         for store in (self.k, self.v):
             for t in store.values():
-                t[dst, :, :n] = t[src, :, :n]
+                view = t[:, :, :n]
+                view.index_copy_(0, dst, view.index_select(0, src))
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value (1, kv_heads, N, head_dim): row i goes to (slots[i], positions[i])."""
@@ -97,8 +137,13 @@ class SlotCache:
             self.k[layer_idx] = key.new_zeros(shape)
             self.v[layer_idx] = value.new_zeros(shape)
         k, v, lay = self.k[layer_idx], self.v[layer_idx], _ACTIVE.layout
-        k[lay.slots, :, lay.positions] = key[0].transpose(0, 1)  # (N, kv_heads, head_dim)
-        v[lay.slots, :, lay.positions] = value[0].transpose(0, 1)
+        if lay.column is not None:  # one slice, no scatter (equal-length batches)
+            n = key.shape[2]
+            k[:n, :, lay.column] = key[0].transpose(0, 1)
+            v[:n, :, lay.column] = value[0].transpose(0, 1)
+        else:
+            k[lay.slots, :, lay.positions] = key[0].transpose(0, 1)  # (N, kv_heads, head_dim)
+            v[lay.slots, :, lay.positions] = value[0].transpose(0, 1)
         _ACTIVE.fresh = (key, value)  # prefills attend to this pass's keys only
         return k, v
 
@@ -128,8 +173,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             k, v = k[:nd], v[:nd]
         else:
             k, v = k.index_select(0, lay.decode_slots), v.index_select(0, lay.decode_slots)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.decode_mask, scale=scaling)
-        parts.append(out.reshape(nd, heads, head_dim))
+        parts.append(_decode_attention(q, k, v, lay.decode_mask, scaling, head_dim)
+                     .reshape(nd, heads, head_dim))
     if lay.prefill_slots is not None:  # every prefill starts at position 0: its keys are all
         m, p = lay.prefill_slots.shape[0], lay.prefill_len  # in this pass
         fresh_k, fresh_v = (t[0].transpose(0, 1)[nd:] for t in _ACTIVE.fresh)
@@ -139,6 +184,21 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         out = out.transpose(1, 2).reshape(m * p, heads, head_dim)
         parts.append(out if lay.prefill_valid is None else out.index_select(0, lay.prefill_valid))
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0), None
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scaling: float | None, head_dim: int
+                      ) -> torch.Tensor:
+    """One query row per sequence: q (nd, kv_heads, group, head_dim), k/v (nd, kv_heads, keys,
+    head_dim), mask additive (nd, 1, 1, keys) or None. Plain matmuls: for one query per
+    sequence they are as fast as SDPA's fused CPU kernel without a mask and faster with one
+    (measured on the tiny model); the softmax runs in float32 as HF's eager attention does."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores.mul_(scaling if scaling is not None else head_dim ** -0.5)
+    if mask is not None:
+        scores.add_(mask)
+    probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def _pad(flat: torch.Tensor, lay: StepLayout, m: int, p: int) -> torch.Tensor:
@@ -151,13 +211,15 @@ def _pad(flat: torch.Tensor, lay: StepLayout, m: int, p: int) -> torch.Tensor:
 AttentionInterface.register(ATTN_NAME, slot_attention)
 
 
-def build_layout(plan: StepPlan, device: torch.device) -> tuple[StepLayout, list[int], list[int]]:
-    """The StepLayout of a plan, the flat input ids, and the rows whose logits are sampled."""
+def build_layout(plan: StepPlan, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[StepLayout, list[int], list[int] | None]:
+    """The StepLayout of a plan, the flat input ids, and the rows whose logits are sampled
+    (None: every row, a decode-only step)."""
     nd = len(plan.decode)
     ids = [s.tokens[-1] for s in plan.decode]
     slots = [s.slot for s in plan.decode]
     positions = [s.cached for s in plan.decode]
-    keep = list(range(nd))
+    keep = None if not plan.prefill else list(range(nd))
     lengths = []
     for s in plan.prefill:
         seq_ids = s.prefill_ids
@@ -165,9 +227,10 @@ def build_layout(plan: StepPlan, device: torch.device) -> tuple[StepLayout, list
         slots += [s.slot] * len(seq_ids)
         positions += range(len(seq_ids))
         lengths.append(len(seq_ids))
-        keep.append(len(ids) - 1)
-    last_row = {id(s): keep[nd + j] for j, s in enumerate(plan.prefill)}
-    keep += [last_row[id(lead)] for _, lead in plan.shared]  # followers: the leader's logits
+        keep.append(len(ids) - 1)  # type: ignore[union-attr]
+    if plan.prefill:
+        last_row = {id(s): keep[nd + j] for j, s in enumerate(plan.prefill)}  # type: ignore
+        keep += [last_row[id(lead)] for _, lead in plan.shared]  # type: ignore[operator]
 
     def t(x):
         return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
@@ -175,11 +238,10 @@ def build_layout(plan: StepPlan, device: torch.device) -> tuple[StepLayout, list
     decode_slots = decode_mask = None
     decode_len = max(positions[:nd], default=-1) + 1
     if nd:
-        if slots[:nd] != list(range(nd)):
+        if slots[nd - 1] != nd - 1 or slots[:nd] != list(range(nd)):
             decode_slots = t(slots[:nd])
-        pos = t(positions[:nd])
-        decode_mask = (torch.arange(decode_len, device=device)[None, :] <= pos[:, None])
-        decode_mask = decode_mask[:, None, None, :]
+        if min(positions[:nd]) != decode_len - 1:  # rows at different positions: mask the keys
+            decode_mask = _decode_mask(t(positions[:nd]), decode_len, dtype)
     prefill_slots = prefill_index = prefill_valid = None
     p = max(lengths, default=0)
     if lengths:
@@ -193,9 +255,28 @@ def build_layout(plan: StepPlan, device: torch.device) -> tuple[StepLayout, list
             prefill_index = (torch.tensor(starts)[:, None] + ar[None, :]).where(valid, 0)
             prefill_index = prefill_index.to(device)
             prefill_valid = valid.flatten().nonzero().squeeze(1).to(device)
+    column = decode_len - 1 if nd and not lengths and decode_slots is None and \
+        decode_mask is None else None
     layout = StepLayout(nd, decode_slots, decode_len, decode_mask, prefill_slots, p,
-                        prefill_index, prefill_valid, t(slots), t(positions))
+                        prefill_index, prefill_valid, t(slots), t(positions), column)
     return layout, ids, keep
+
+
+def advance(lay: StepLayout) -> StepLayout:
+    """The layout of the next pass of a decode window: every row one position further on."""
+    positions, mask = lay.positions + 1, lay.decode_mask
+    if mask is not None:
+        mask = _decode_mask(positions, lay.decode_len + 1, mask.dtype)
+    return dataclasses.replace(
+        lay, decode_len=lay.decode_len + 1, decode_mask=mask, positions=positions,
+        column=None if lay.column is None else lay.column + 1)
+
+
+def _decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """(nd, 1, 1, length) additive mask: -inf on the keys past each row's position."""
+    past = torch.arange(length, device=positions.device)[None, :] > positions[:, None]
+    mask = torch.zeros(past.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(past, float("-inf"))[:, None, None, :]
 
 
 class Runner:
@@ -206,16 +287,16 @@ class Runner:
         self.model = model
         self.cache = SlotCache()
         self._hidden: torch.Tensor | None = None
-        self._want_hidden = False
+        self._mask: torch.Tensor | None = None
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings: the engine "
                              f"needs a causal LM (AutoModelForCausalLM)")
-        head.register_forward_pre_hook(self._capture_hidden)
+        self._head = head  # hooked only for passes that want hidden states: engines made on a
+        # shared model (copy_model=False) must leave no hook behind
 
     def _capture_hidden(self, module, args):
-        if self._want_hidden:
-            self._hidden = args[0]
+        self._hidden = args[0]
 
     @property
     def device(self) -> torch.device:
@@ -236,34 +317,73 @@ class Runner:
     def forward(self, plan: StepPlan, want_hidden: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (n, vocab) for `plan.sequences`, in order, and their last hidden states."""
-        device = self.device
+        layout, ids, keep = self._prepare(plan)
+        self._hidden = None
+        device = layout.positions.device
+        hook = self._head.register_forward_pre_hook(self._capture_hidden) if want_hidden else None
+        try:
+            with self._pass_mode():
+                logits = self._run(torch.tensor(ids, dtype=torch.long)[None].to(device), layout,
+                                   0 if keep is None else torch.tensor(keep).to(device))
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.cache.copy_many(plan.after_copies)
+        hidden = self._hidden[0] if want_hidden and self._hidden is not None else None
+        return logits, hidden
+
+    @torch.inference_mode()
+    def decode_window(self, plan: StepPlan, steps: int,
+                      choose: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """Up to `steps` decode passes of a decode-only plan back to back: each pass feeds the
+        tokens `choose(logits)` picked from the previous one, one position further on; None
+        from `choose` ends the window early."""
+        layout, ids, _ = self._prepare(plan)
+        ids_t = torch.tensor(ids, dtype=torch.long).to(layout.positions.device)
+        with self._pass_mode():
+            for i in range(steps):
+                if i:
+                    layout = advance(layout)
+                picked = choose(self._run(ids_t[None], layout, 0))
+                if picked is None:
+                    return
+                ids_t = picked
+
+    def _prepare(self, plan: StepPlan) -> tuple[StepLayout, list[int], list[int] | None]:
+        param = next(self.model.parameters())
         if plan.copies:  # copies may read rows the new shape drops: grow, copy, then shrink
             self.cache.resize(max(plan.cache_rows, self.cache.rows),
                               max(plan.cache_len, self.cache.length))
-            for src, dst, n in plan.copies:
-                self.cache.copy(src, dst, n)
+            self.cache.copy_many(plan.copies)
         self.cache.resize(plan.cache_rows, plan.cache_len)
-        layout, ids, keep = build_layout(plan, device)
-        self._want_hidden, self._hidden = want_hidden, None
-        ids_t = torch.tensor(ids, dtype=torch.long)[None].to(device)
-        _ACTIVE.layout = layout
-        training = self.model.training  # a shared model may be mid-training: no dropout here
+        return build_layout(plan, param.device, param.dtype)
+
+    @contextmanager
+    def _pass_mode(self):
+        """Slot attention and eval mode for the passes (a shared model may be mid-training:
+        no dropout here), restored afterwards."""
+        training = self.model.training
         try:
             if training:
                 self.model.eval()
             with self._slot_attention():
-                out = self.model(input_ids=ids_t, position_ids=layout.positions[None],
-                                 attention_mask=_PLACEHOLDER_MASK.to(device),
-                                 past_key_values=self.cache, use_cache=True,
-                                 logits_to_keep=torch.tensor(keep).to(device))
+                yield
         finally:
             _ACTIVE.layout = _ACTIVE.fresh = None
             if training:
                 self.model.train()
-        for src, dst, n in plan.after_copies:
-            self.cache.copy(src, dst, n)
-        hidden = self._hidden[0] if want_hidden and self._hidden is not None else None
-        return out.logits[0], hidden
+
+    def _run(self, ids: torch.Tensor, layout: StepLayout, keep) -> torch.Tensor:
+        _ACTIVE.layout = layout
+        out = self.model(input_ids=ids, position_ids=layout.positions[None],
+                         attention_mask=self._placeholder(ids.device),
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0]
+
+    def _placeholder(self, device: torch.device) -> torch.Tensor:
+        if self._mask is None or self._mask.device != device:
+            self._mask = _PLACEHOLDER_MASK.to(device)
+        return self._mask
 
     def release(self) -> None:
         self.cache.resize(0, 0)

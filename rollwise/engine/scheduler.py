@@ -6,7 +6,8 @@ copied first (fork), and the shape of the slot cache. After the forward pass and
 `update(plan, output)` appends the sampled tokens, finishes sequences (stop id or length) and frees
 their slots at once, and returns the events due (every `segment` tokens and at the end). This is
 the split of vLLM's `v1/core/sched` (`schedule()` / `update_from_output()`), and it lets the tests
-drive the scheduler with fabricated outputs.
+drive the scheduler with fabricated outputs. `decode_window()` / `update_window()` let the engine
+run several decode passes between two `schedule()` calls when nothing could change in between.
 
 Memory: the runner keeps one KV row (slot) per running sequence, all rows one length long (a
 rectangle). The scheduler owns that rectangle's shape and keeps rows x length within
@@ -282,6 +283,45 @@ class Scheduler:
                 seq.top_logprobs.append(out.top_logprobs[i])
             if out.hidden is not None:
                 seq.hidden = out.hidden[i]
+            reason = seq.done_reason()
+            if reason is not None:
+                self._finish(seq, SeqStatus.FINISHED, reason)
+            if reason is not None or len(seq.tokens) - seq.emitted >= self.segment:
+                events.append(self.event(seq))
+        return events
+
+    def decode_window(self, plan: StepPlan) -> int:
+        """How many decode steps `plan` may run back to back without scheduling in between (the
+        runner then skips the per-step layout, bookkeeping and .tolist()). Only a decode-only
+        plan with no copies and nobody who could be admitted runs more than one; the window ends
+        at the first step where some sequence reaches its length limit or its next segment
+        event, so events come at the same tokens as step by step. A stop id ends a sequence
+        inside the window: `update_window` cuts its tokens there (its slot idles to the end)."""
+        if plan.prefill or plan.shared or plan.copies or (self.waiting and self.free_slots):
+            return 1
+        k = self.segment
+        for seq in plan.decode:
+            n = len(seq.tokens)
+            k = min(k, seq.params.max_new_tokens - n, self.segment - (n - seq.emitted))
+        return max(k, 1)
+
+    def update_window(self, plan: StepPlan, tokens: list[list[int]],
+                      logprobs: list[list[float]], entropies: list[list[float]],
+                      version: int) -> list[Event]:
+        """`update` for a decode window: row i of each list holds plan.decode[i]'s tokens of
+        the window (`decode_window` steps), cut after a stop id."""
+        events = []
+        for seq, toks, lps, ents in zip(plan.decode, tokens, logprobs, entropies):
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            stops = seq.params.stop_ids
+            cut = next((j + 1 for j, t in enumerate(toks) if t in stops), len(toks)) \
+                if stops else len(toks)
+            seq.tokens += toks[:cut]
+            seq.logprobs += lps[:cut]
+            seq.entropies += ents[:cut]
+            seq.versions += [version] * cut
+            seq.cached = len(seq.prompt) + len(seq.tokens) - 1
             reason = seq.done_reason()
             if reason is not None:
                 self._finish(seq, SeqStatus.FINISHED, reason)

@@ -33,5 +33,6 @@ def build_selector(cfg) -> Selector:
         return ThompsonSelector(target=cfg.target_success, decay=cfg.decay)
     if name == "dps":
         from rollwise.stages.control.select_dps import DPSSelector
-        return DPSSelector(decay=cfg.decay, candidate_ratio=cfg.candidate_ratio)
+        return DPSSelector(decay=cfg.decay, candidate_ratio=cfg.candidate_ratio,
+                           prior_name=cfg.dps_prior)
     raise ValueError(f"control.selector = {name!r}: choose uniform, thompson or dps")

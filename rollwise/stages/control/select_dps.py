@@ -30,6 +30,16 @@ from rollwise.tasks import Problem
 UNSOLVED, PARTIAL, SOLVED = 0, 1, 2
 
 
+# maoyixiu/DPS task_sampler.py hmm_prior_alpha (column j: from state j). "stability" says a
+# prompt tends to stay in its state, so one observation moves its prediction further (P(partial)
+# 0.6 after a mixed group, against 0.4 with the flat prior).
+STRUCTURED_PRIORS = {
+    "progress": [[1.0, 0.5, 0.5], [1.0, 1.0, 0.5], [1.0, 1.0, 1.0]],
+    "stability": [[1.0, 0.5, 0.5], [0.5, 1.0, 0.5], [0.5, 0.5, 1.0]],
+    "local": [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]],
+}
+
+
 def observed_state(successes: int, trials: int) -> int:
     return UNSOLVED if successes == 0 else SOLVED if successes == trials else PARTIAL
 
@@ -66,12 +76,18 @@ class DPSSelector:
     candidate_ratio: float = 4.0
     prior_count: float = 1.0
     entropy_weight: float = 0.0  # > 0: score P(partial) + w * H(belief) ("topk+entropy")
+    prior_name: str = "flat"  # flat (prior_count everywhere) or a structured prior below
     prompts: dict[str, PromptHMM] = field(default_factory=dict)
     step: int = 0
 
     @property
     def prior(self) -> np.ndarray:
-        return np.full((3, 3), self.prior_count)
+        if self.prior_name == "flat":
+            return np.full((3, 3), self.prior_count)
+        if self.prior_name not in STRUCTURED_PRIORS:
+            raise ValueError(f"control.dps_prior = {self.prior_name!r}: choose flat, "
+                             f"{', '.join(STRUCTURED_PRIORS)}")
+        return np.array(STRUCTURED_PRIORS[self.prior_name])
 
     def hmm(self, pid: str) -> PromptHMM:
         """The prompt's state, brought up to date with the steps it was not observed in."""

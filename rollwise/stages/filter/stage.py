@@ -54,7 +54,7 @@ def make_verifier(name: str, cfg, task) -> Verifier:
         return JudgeVerifier(j.rubric, j.fapo, j.model, j.max_new_tokens)
     if name == "majority":
         from rollwise.stages.filter.majority import MajorityVerifier
-        return MajorityVerifier()
+        return MajorityVerifier(min_ratio=cfg.majority_min_ratio)
     if ":" in name:
         from rollwise.stages.filter.user import user_verifier
         return user_verifier(name)

@@ -67,12 +67,13 @@ class PartialRolloutGenerator:
                 s.status = Status.PAUSED
         complete = {id(g) for g in done}
         self.carry = [g for g in inflight if id(g) not in complete]
-        carried = sum(s.num_tokens for g in self.carry for s in g.samples)
-        ledger.tokens_to("paused_carried", carried)
         ledger.decide("control", "pause", "batch_complete",
                       sum(not s.finished for g in self.carry for s in g.samples))
         for g in done[want:]:  # finished beyond the batch: keep them for the next step
             self.carry.insert(0, g)
+        # every token held over, paused or in a complete group beyond the batch
+        ledger.tokens_to("paused_carried", sum(s.num_tokens for g in self.carry
+                                               for s in g.samples))
         for g in done[:want]:
             for s in g.samples:
                 s.step = step
