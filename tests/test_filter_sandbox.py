@@ -132,7 +132,10 @@ def test_fork_bomb_is_capped_and_cleaned_up(world, guard):
 
 @GUARDS
 def test_memory_bomb_hits_the_address_space_limit(world, guard):
-    r = run(world, "x = []\nwhile True:\n    x.append(bytearray(32 << 20))\n", guard)
+    # CPU and wall limits well above what filling 256 MB takes, even on a loaded machine, so
+    # the address-space limit is the one that fires
+    r = run(world, "x = []\nwhile True:\n    x.append(bytearray(32 << 20))\n", guard,
+            cpu_s=6, timeout_s=10.0)
     assert r.status == "memory" and "MemoryError" in r.reason, r
 
 

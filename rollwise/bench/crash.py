@@ -119,6 +119,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from rollwise.config import load_config
     root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
     base = [*args.overrides, f"run.root={root}", "run.log=plain", "run.report=false"]
     steps = load_config(None, base).train.steps
     t0 = time.time()
