@@ -243,6 +243,11 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     minibatches: int = Field(2, ge=1)
     epochs: int = Field(1, ge=1)
+    skip_zero_advantage: bool = True
+    """Run no forward or backward pass for samples whose every token has advantage 0 (all
+    of a group with equal rewards, under GRPO): with ppo_clip, dual_clip or gspo, no entropy
+    bonus and no KL loss term their gradient is exactly 0. They still count in the loss
+    aggregation's denominators, so the update is the same up to float rounding."""
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     kl_coef: float = Field(0.0, ge=0)

@@ -196,3 +196,81 @@ def test_default_config_is_plain_grpo_per_sample_loop(tiny, groups):
     naive = naive * min(1.0, cfg.grad_clip / float(naive.norm()))  # the step sees clipped grads
     ours = torch.cat([g.flatten() for g in seen[0]])
     assert (naive - ours).abs().max() <= 1e-5 * naive.abs().max()
+
+
+def _equal_rewards(groups, which: list[int]):
+    """A copy of groups where the groups at `which` have every reward equal (advantage 0)."""
+    out = clone(groups)
+    for i in which:
+        for s in out[i].samples:
+            s.reward, s.rewards = 1.0, {"reward": 1.0, "short": 1.0}
+    return out
+
+
+def _rows_through_model(trainer) -> list[int]:
+    rows = []
+    trainer.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    return rows
+
+
+@pytest.mark.parametrize("loss, agg", [("ppo_clip", "seq-mean-token-mean"),
+                                       ("ppo_clip", "token-mean"), ("gspo", "seq-mean-token-mean")])
+def test_skipping_zero_advantage_rows_gives_the_same_update(tiny, loss, agg):
+    """Groups with equal rewards add exactly 0 to the gradient; skipping their forward and
+    backward passes must leave every optimizer step's gradient (and the weights) unchanged,
+    while they still count in the aggregation's denominators."""
+    model, tok = tiny
+    groups = _equal_rewards(make_groups(model, tok, n_prompts=4, group_size=4,
+                                        max_new_tokens=6, seed=5), [1, 3])
+    grads, params, rows = [], [], []
+    for skip in (False, True):
+        cfg = TrainConfig(loss=loss, loss_agg=agg, minibatches=2, skip_zero_advantage=skip)
+        trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=1)
+        seen, through = capture_grads(trainer), _rows_through_model(trainer)
+        m = trainer.update(clone(groups))
+        grads.append([torch.cat([g.flatten() for g in step]) for step in seen])
+        params.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+        rows.append(sum(through))
+        assert m["train/tokens"] > 0
+    assert len(grads[0]) == len(grads[1]) == 2
+    for a, b in zip(*grads):
+        assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-6 * a.abs().max()
+    assert (params[0] - params[1]).abs().max() <= 1e-6
+    # the no-grad pass sees all 16 rows both times; the training passes 16 vs the 8 that move
+    assert rows == [16 + 16, 16 + 8]
+
+
+def test_a_step_with_no_moving_row_still_steps_adamw_like_a_zero_gradient(tiny):
+    """After an informative update, an update where every group has equal rewards runs no
+    training pass, yet AdamW's momentum and weight decay move the weights exactly as a zero
+    gradient does (the unskipped path)."""
+    model, tok = tiny
+    first = make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=6, seed=7)
+    second = _equal_rewards(first, [0, 1])
+    out = []
+    for skip in (False, True):
+        cfg = TrainConfig(minibatches=1, skip_zero_advantage=skip, weight_decay=0.1)
+        trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id)
+        trainer.update(clone(first))
+        before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+        through = _rows_through_model(trainer)
+        trainer.update(clone(second))
+        after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        assert (after - before).abs().max() > 0  # momentum moved them
+        out.append((after, sum(through)))
+    assert torch.equal(out[0][0], out[1][0])
+    assert out[0][1] == 16 and out[1][1] == 8  # the skip ran only the no-grad pass
+
+
+def test_zero_advantage_rows_are_not_skipped_when_a_term_needs_them(tiny):
+    """An entropy bonus or a KL loss term gives zero-advantage rows a gradient: no skip."""
+    model, tok = tiny
+    groups = _equal_rewards(make_groups(model, tok, n_prompts=2, group_size=4,
+                                        max_new_tokens=6, seed=5), [1])
+    for extra in ({"entropy_coef": 0.01}, {"kl_coef": 0.1, "kl_mode": "loss"}):
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=1, **extra),
+                          pad_id=tok.pad_token_id)
+        through = _rows_through_model(trainer)
+        trainer.update(clone(groups))
+        assert through[-1] == 8, extra  # the training pass saw every row

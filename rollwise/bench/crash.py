@@ -96,16 +96,21 @@ def child(argv: list[str], kill_at: str | None = None, kill_after: float | None 
         return proc.wait()
 
 
-def next_kill(rng: random.Random, i: int, run: Path, steps: int) -> tuple[str | None,
-                                                                         float | None]:
-    """The i-th kill point: every third a random delay, else a named phase at a random step
-    after the newest checkpoint (so the run reaches it)."""
+def next_kill(rng: random.Random, i: int, run: Path, steps: int,
+              every: int) -> tuple[str | None, float | None]:
+    """The i-th kill point: every third a random delay, else the next phase in turn (so each
+    one is tried) at a random step after the newest checkpoint (so the run reaches it); a
+    checkpoint kill picks a step that writes one (every `every` steps, and the last)."""
     from rollwise.store import checkpoint as ckpt
     if i % 3 == 2:
         return None, rng.uniform(5.0, 60.0)
+    phase = PHASES[(i - i // 3) % len(PHASES)]
     last = ckpt.latest(run, log=lambda _: None)
     first = last.step + 1 if last is not None and last.step < steps else 1
-    return f"{rng.choice(PHASES)}:{rng.randint(first, steps)}", None
+    candidates = range(first, steps + 1)
+    if phase == "checkpoint":
+        candidates = [s for s in candidates if (every and s % every == 0) or s == steps]
+    return f"{phase}:{rng.choice(candidates)}", None
 
 
 def main(argv: list[str]) -> int:
@@ -121,7 +126,8 @@ def main(argv: list[str]) -> int:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     base = [*args.overrides, f"run.root={root}", "run.log=plain", "run.report=false"]
-    steps = load_config(None, base).train.steps
+    cfg = load_config(None, base)
+    steps, every = cfg.train.steps, cfg.run.checkpoint_every
     t0 = time.time()
     rc = child(["train", *base, "run.name=reference"], log=root / "reference.log")
     if rc != 0:
@@ -131,7 +137,7 @@ def main(argv: list[str]) -> int:
     run, log = root / "crashed", root / "crashed.log"
     rng, attempts, fresh = random.Random(args.seed), [], True
     for i in range(args.kills):
-        at, after = next_kill(rng, i, run, steps)
+        at, after = next_kill(rng, i, run, steps, every)
         argv = ["train", *base, "run.name=crashed"] if fresh else ["train", "--resume",
                                                                    str(run), "run.log=plain"]
         rc = child(argv, at, after, log)

@@ -20,6 +20,9 @@ from rollwise.train.advantages import _resolve
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {}
 AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {}
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+ZERO_AT_ZERO_ADVANTAGE = {"ppo_clip", "dual_clip", "gspo"}
+"""Losses that are a multiple of each token's advantage: a token with advantage 0 adds exactly 0
+to the loss and its gradient, so the trainer may skip rows made only of such tokens."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from rollwise.config import TrainConfig
 from rollwise.train import correction as corr
 from rollwise.train.advantages import AdvantageInputs, compute_advantages, get_token_shaping
 from rollwise.train.group_filters import overlong_keep, shaped_reward, soft_overlong_penalty
-from rollwise.train.losses import LossParams, aggregate, get_kl, get_policy_loss, masked_mean
+from rollwise.train.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
+                                   get_policy_loss, masked_mean)
 from rollwise.types import Batch, Group, Sample
 
 
@@ -157,7 +158,8 @@ class Trainer:
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
-        prox, _ = token_logprobs(self.model, batch)
+        prox, ent = token_logprobs(self.model, batch)
+        m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = token_logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
         self._keep_snapshot()
@@ -246,18 +248,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.micro_batch_size or len(idx)
         acc: dict[str, float] = {}
-        total = 0.0
-        for micro in idx.split(size):
+        total, counted = 0.0, 0.0
+        for micro in self._rows_with_gradient(prep, idx).split(size):
             n = float(prep.mask[micro].sum())
             if n == 0:
                 continue
             loss, m = self._micro_loss(prep, micro, num_tokens, num_seqs)
             loss.backward()
             total += loss.item()  # micro-batch losses sum to the minibatch loss
+            counted += n
             for k, v in m.items():  # token-weighted means; maxima and minima as such
                 acc[k] = _combine(k, acc.get(k), v if k.endswith(("_max", "_min")) else v * n)
-        out = {k: (v if k.endswith(("_max", "_min")) else v / float(num_tokens))
-               for k, v in acc.items()}
+        out = {k: (v if k.endswith(("_max", "_min")) else v / counted) for k, v in acc.items()}
+        for p in self.model.parameters():  # no row had a gradient: AdamW still steps on zeros
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if not math.isfinite(float(grad_norm)):
             raise FloatingPointError("non-finite gradient norm; lower train.lr")
@@ -270,6 +275,17 @@ class Trainer:
             g["lr"] = lr
         out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)
         return out
+
+    def _rows_with_gradient(self, prep: Prepared, idx: torch.Tensor) -> torch.Tensor:
+        """The rows of idx whose loss can move the weights (see train.skip_zero_advantage).
+        Skipped rows change no metric but the clip fractions and ratio statistics, which are
+        then over tokens with a nonzero advantage."""
+        cfg = self.cfg
+        if (not cfg.skip_zero_advantage or cfg.loss not in ZERO_AT_ZERO_ADVANTAGE
+                or cfg.entropy_coef > 0 or (self.ref_model is not None and cfg.kl_mode == "loss")):
+            return idx
+        moving = ((prep.token_adv[idx] != 0) & (prep.mask[idx] > 0)).any(-1)
+        return idx[moving]
 
     def _lr_scale(self, seq_log_w: torch.Tensor, mask: torch.Tensor) -> float:
         if not self.cfg.correction.vcpo_lr:
@@ -294,7 +310,6 @@ class Trainer:
             m["kl_ref"] = masked_mean(kl.detach(), mask).item()
         loss = aggregate(token_loss, mask, cfg.loss_agg, num_tokens=num_tokens,
                          num_seqs=num_seqs, norm_length=prep.norm_length)
-        m["entropy"] = masked_mean(ent.detach(), mask).item()
         return loss, m
 
     def _step_schedule(self) -> None:
