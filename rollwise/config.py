@@ -243,6 +243,10 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     minibatches: int = Field(2, ge=1)
     epochs: int = Field(1, ge=1)
+    pack_prompts: bool = True
+    """Trainer forward passes hold each prompt once with its responses after it (a mask keeps
+    them apart): the same log-probabilities up to float rounding, for fewer tokens. Checked
+    against the padded pass on the first update; a model that disagrees is not packed."""
     skip_zero_advantage: bool = True
     """Run no forward or backward pass for samples whose every token has advantage 0 (all
     of a group with equal rewards, under GRPO): with ppo_clip, dual_clip or gspo, no entropy

@@ -114,6 +114,7 @@ class Batch:
     advantages: torch.Tensor  # (B,) float, one per sample (broadcast over its tokens)
     group_index: torch.Tensor  # (B,) long
     entropies: torch.Tensor | None = None  # (B, T-1) engine entropy per response target
+    prompt_lens: torch.Tensor | None = None  # (B,) long; lets the trainer pack shared prompts
 
     @property
     def size(self) -> int:
@@ -142,7 +143,8 @@ class Batch:
                 entropies[i, p - 1:p - 1 + n] = torch.tensor(s.entropies, dtype=torch.float)
         gi = torch.tensor(group_index if group_index is not None else list(range(B)))
         return cls(input_ids, attention, loss_mask, behaviour, versions,
-                   torch.tensor(advantages, dtype=torch.float), gi, entropies)
+                   torch.tensor(advantages, dtype=torch.float), gi, entropies,
+                   torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long))
 
     def select(self, idx: torch.Tensor) -> "Batch":
         """Rows idx, trimmed to the longest remaining sequence."""
@@ -150,4 +152,5 @@ class Batch:
         return Batch(self.input_ids[idx, :T], self.attention_mask[idx, :T],
                      self.loss_mask[idx, :T - 1], self.behaviour_logprobs[idx, :T - 1],
                      self.versions[idx, :T - 1], self.advantages[idx], self.group_index[idx],
-                     None if self.entropies is None else self.entropies[idx, :T - 1])
+                     None if self.entropies is None else self.entropies[idx, :T - 1],
+                     None if self.prompt_lens is None else self.prompt_lens[idx])

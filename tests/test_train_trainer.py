@@ -225,7 +225,8 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tiny, loss, agg):
                                         max_new_tokens=6, seed=5), [1, 3])
     grads, params, rows = [], [], []
     for skip in (False, True):
-        cfg = TrainConfig(loss=loss, loss_agg=agg, minibatches=2, skip_zero_advantage=skip)
+        cfg = TrainConfig(loss=loss, loss_agg=agg, minibatches=2, skip_zero_advantage=skip,
+                          pack_prompts=False)  # rows counted unpacked
         trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=1)
         seen, through = capture_grads(trainer), _rows_through_model(trainer)
         m = trainer.update(clone(groups))
@@ -250,7 +251,8 @@ def test_a_step_with_no_moving_row_still_steps_adamw_like_a_zero_gradient(tiny):
     second = _equal_rewards(first, [0, 1])
     out = []
     for skip in (False, True):
-        cfg = TrainConfig(minibatches=1, skip_zero_advantage=skip, weight_decay=0.1)
+        cfg = TrainConfig(minibatches=1, skip_zero_advantage=skip, weight_decay=0.1,
+                          pack_prompts=False)
         trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id)
         trainer.update(clone(first))
         before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
@@ -269,7 +271,8 @@ def test_zero_advantage_rows_are_not_skipped_when_a_term_needs_them(tiny):
     groups = _equal_rewards(make_groups(model, tok, n_prompts=2, group_size=4,
                                         max_new_tokens=6, seed=5), [1])
     for extra in ({"entropy_coef": 0.01}, {"kl_coef": 0.1, "kl_mode": "loss"}):
-        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=1, **extra),
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=1, pack_prompts=False,
+                                                            **extra),
                           pad_id=tok.pad_token_id)
         through = _rows_through_model(trainer)
         trainer.update(clone(groups))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from rollwise.config import TrainConfig
 from rollwise.train import correction as corr
 from rollwise.train.advantages import AdvantageInputs, compute_advantages, get_token_shaping
 from rollwise.train.group_filters import overlong_keep, shaped_reward, soft_overlong_penalty
+from rollwise.train.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.train.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
                                    get_policy_loss, masked_mean)
 from rollwise.types import Batch, Group, Sample
@@ -76,6 +78,7 @@ class Trainer:
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._pack, self._pack_checked = cfg.pack_prompts, False  # off if the model disagrees
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch = None  # a model copy that snapshots are loaded into
 
@@ -129,13 +132,36 @@ class Trainer:
             self._scratch.load_state_dict(self._snapshots[v])
             rows = (versions == v).any(-1).nonzero().squeeze(-1)
             sub = batch.select(rows)
-            lp, _ = token_logprobs(self._scratch, sub)
+            lp, _ = self.logprobs(self._scratch, sub)
             full = torch.zeros(len(rows), prox.shape[1])
             full[:, :lp.shape[1]] = lp
             here = versions[rows] == v
             out[rows] = torch.where(here, full, out[rows])
             known[rows] |= here
         return out, known
+
+    def logprobs(self, model, batch: Batch, entropy_grad: bool = False):
+        """token_logprobs, through shared-prompt packing where it is on and saves tokens."""
+        if self._pack and batch.prompt_lens is not None:
+            packed = pack(batch)
+            if worth_packing(batch, packed):
+                return packed_token_logprobs(model, batch, packed, entropy_grad)
+        return token_logprobs(model, batch, entropy_grad)
+
+    def _check_packing(self, batch: Batch) -> None:
+        """Once: packed and padded log-probabilities must agree, or packing is turned off (a
+        model whose attention ignores custom 4D masks or position ids)."""
+        if not self._pack or self._pack_checked or batch.prompt_lens is None:
+            return
+        self._pack_checked = True
+        packed = pack(batch)
+        a = packed_token_logprobs(self.model, batch, packed)[0]
+        b = token_logprobs(self.model, batch)[0]
+        gap = float(((a - b).abs() * batch.loss_mask).max())
+        if not gap <= 1e-3:
+            warnings.warn(f"train.pack_prompts: packed and padded log-probabilities differ by "
+                          f"{gap:.2g} with this model; training without packing", RuntimeWarning)
+            self._pack = False
 
     def _keep_snapshot(self) -> None:
         n = self.cfg.correction.snapshots
@@ -158,9 +184,10 @@ class Trainer:
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
-        prox, ent = token_logprobs(self.model, batch)
+        self._check_packing(batch)
+        prox, ent = self.logprobs(self.model, batch)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
-        ref = token_logprobs(self.ref_model, batch)[0] if self.ref_model else None
+        ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
         self._keep_snapshot()
         # advantages, with the KL penalty on the reward when asked
@@ -299,7 +326,7 @@ class Trainer:
         mb = prep.batch.select(micro)
         c = prep.rows(micro, mb.loss_mask.shape[1])
         mask = c["mask"]
-        logp, ent = token_logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
+        logp, ent = self.logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
         token_loss, m = self.loss_fn(logp, c["anchor"], c["adv"], mask, self.loss_params)
         token_loss = token_loss * c["weights"]
         if cfg.entropy_coef > 0:
