@@ -283,10 +283,7 @@ class Scheduler:
                 seq.top_logprobs.append(out.top_logprobs[i])
             if out.hidden is not None:
                 seq.hidden = out.hidden[i]
-            reason = seq.done_reason()
-            if reason is not None:
-                self._finish(seq, SeqStatus.FINISHED, reason)
-            if reason is not None or len(seq.tokens) - seq.emitted >= self.segment:
+            if self._settle(seq):
                 events.append(self.event(seq))
         return events
 
@@ -322,12 +319,16 @@ class Scheduler:
             seq.entropies += ents[:cut]
             seq.versions += [version] * cut
             seq.cached = len(seq.prompt) + len(seq.tokens) - 1
-            reason = seq.done_reason()
-            if reason is not None:
-                self._finish(seq, SeqStatus.FINISHED, reason)
-            if reason is not None or len(seq.tokens) - seq.emitted >= self.segment:
+            if self._settle(seq):
                 events.append(self.event(seq))
         return events
+
+    def _settle(self, seq: Sequence) -> bool:
+        """After new tokens: finish the sequence if it is done; True when an event is due."""
+        reason = seq.done_reason()
+        if reason is not None:
+            self._finish(seq, SeqStatus.FINISHED, reason)
+        return reason is not None or len(seq.tokens) - seq.emitted >= self.segment
 
     def event(self, seq: Sequence) -> Event:
         a = seq.emitted

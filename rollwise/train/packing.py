@@ -48,19 +48,18 @@ def pack(batch: Batch, max_row_tokens: int = 2048) -> Packed:
     ids, att = batch.input_ids.tolist(), batch.attention_mask.sum(1).tolist()
     plen = batch.prompt_lens.tolist()
     rows: list[tuple[list[int], list[int]]] = []  # (prompt ids, sample indices)
+    used: list[int] = []  # tokens in each row
     open_row: dict[tuple[int, ...], int] = {}
     for i in range(batch.size):
         prompt = tuple(ids[i][:plen[i]])
         n = att[i] - plen[i]
         r = open_row.get(prompt)
-        if r is not None:
-            used = len(prompt) + sum(att[j] - plen[j] for j in rows[r][1])
-            if used + n > max_row_tokens:
-                r = None
-        if r is None:
+        if r is None or used[r] + n > max_row_tokens:
             r = open_row[prompt] = len(rows)
             rows.append((list(prompt), []))
+            used.append(len(prompt))
         rows[r][1].append(i)
+        used[r] += n
 
     row_ids, row_pos, row_seg = [], [], []  # per row: token ids, positions, segments
     src_row, src_pos, target, dst_row, dst_col = [], [], [], [], []

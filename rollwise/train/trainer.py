@@ -145,23 +145,23 @@ class Trainer:
         if self._pack and batch.prompt_lens is not None:
             packed = pack(batch)
             if worth_packing(batch, packed):
-                return packed_token_logprobs(model, batch, packed, entropy_grad)
+                out = packed_token_logprobs(model, batch, packed, entropy_grad)
+                if self._pack_checked or self._packing_agrees(model, batch, out[0]):
+                    return out
         return token_logprobs(model, batch, entropy_grad)
 
-    def _check_packing(self, batch: Batch) -> None:
-        """Once: packed and padded log-probabilities must agree, or packing is turned off (a
-        model whose attention ignores custom 4D masks or position ids)."""
-        if not self._pack or self._pack_checked or batch.prompt_lens is None:
-            return
+    @torch.no_grad()
+    def _packing_agrees(self, model, batch: Batch, packed_logp: torch.Tensor) -> bool:
+        """Once: the first packed result against the padded pass. A model whose attention
+        ignores custom 4D masks or position ids disagrees, and packing is turned off."""
         self._pack_checked = True
-        packed = pack(batch)
-        a = packed_token_logprobs(self.model, batch, packed)[0]
-        b = token_logprobs(self.model, batch)[0]
-        gap = float(((a - b).abs() * batch.loss_mask).max())
+        gap = float(((packed_logp - token_logprobs(model, batch)[0]).abs()
+                     * batch.loss_mask).max())
         if not gap <= 1e-3:
             warnings.warn(f"train.pack_prompts: packed and padded log-probabilities differ by "
                           f"{gap:.2g} with this model; training without packing", RuntimeWarning)
             self._pack = False
+        return self._pack
 
     def _keep_snapshot(self) -> None:
         n = self.cfg.correction.snapshots
@@ -184,7 +184,6 @@ class Trainer:
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
-        self._check_packing(batch)
         prox, ent = self.logprobs(self.model, batch)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None

@@ -64,7 +64,10 @@ class PromptHMM:
         e = np.zeros(3)
         e[state] = 1.0
         u = np.outer(e, self.posterior) * column_normalize(self.alpha)
-        self.alpha = decay * self.alpha + (1 - decay) * prior + u / u.sum()
+        # a jump the prior rules out (the "local" prior's unsolved <-> solved) has likelihood
+        # 0: it was seen all the same, so count it from the posterior alone
+        u = u / u.sum() if u.sum() > 0 else np.outer(e, self.posterior)
+        self.alpha = decay * self.alpha + (1 - decay) * prior + u
         self.belief = column_normalize(self.alpha) @ e
         self.posterior = e
         self.seen += 1
