@@ -279,9 +279,15 @@ class SyncConfig(Section):
     mode: Literal["full", "sparse"] = "full"
     """'full' ships every tensor; 'sparse' ships only the elements whose stored value changed
     since the engine's version (SparseRL-Sync), exactly. See rollwise/sync/."""
-    transport: Literal["inproc", "process"] = "inproc"
+    coding: Literal["delta", "pairs"] = "delta"
+    """How a sparse payload stores its changes, exactly either way. 'delta': index gaps (a byte
+    each) and the difference of each value's bits from the engine's (2 bits for the +-1 of a
+    low-lr step), ~1.3 bytes per bf16 change; 'pairs': SparseRL-Sync's (int32 index, value)
+    pairs, 6 bytes per bf16 change, fixed-size for one collective per bucket."""
+    transport: Literal["inproc", "process", "socket"] = "inproc"
     """'inproc': the engine lives in the trainer's process; 'process': in a child process on
-    this machine, fed through shared memory."""
+    this machine, fed through shared memory; 'socket': in a child process, fed through a Unix
+    socket (every byte copied, as over a network; no /dev/shm needed)."""
     engine_dtype: Literal["same", "float32", "bfloat16", "float16"] = "same"
     """The engine's weight dtype; 'same' keeps the trainer's. bfloat16 with float32 trainer
     weights is the usual GPU setup (fp32 master weights, bf16 inference weights)."""

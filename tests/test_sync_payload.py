@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 
 from rollwise.sync import payload as P
+from rollwise.sync.coding import decode, encode
 from rollwise.sync.receiver import Receiver
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import GrowingBuffer
@@ -36,11 +37,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(P.bits(a.contiguous()), P.bits(b.contiguous()))
 
 
-def new_sync(tensors, *, bucket_bytes=2**20, checksum=True):
+def new_sync(tensors, *, bucket_bytes=2**20, checksum=True, coding="delta"):
     engine = Holder(tensors)
     receiver = Receiver(engine)
     spec = receiver.state().spec
-    sender = Sender(spec, keep_mirror=True, with_checksum=checksum, bucket_bytes=bucket_bytes)
+    sender = Sender(spec, keep_mirror=True, with_checksum=checksum, bucket_bytes=bucket_bytes,
+                    coding=coding)
     return engine, receiver, sender
 
 
@@ -67,19 +69,26 @@ def change(t: torch.Tensor, mask: np.ndarray, rng: np.random.Generator) -> torch
     return out.reshape(t.shape)
 
 
+def coded_size(old: torch.Tensor, new: torch.Tensor) -> int:
+    a, b = P.bits(old).reshape(-1), P.bits(new).reshape(-1)
+    idx = (a != b).nonzero().squeeze(1)
+    return encode(idx, a[idx], b[idx])[0].numel()
+
+
 shapes = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
 
 
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        shape_list=st.lists(shapes, min_size=1, max_size=4),
-       steps=st.integers(1, 4), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31))
+       steps=st.integers(1, 4), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31),
+       coding=st.sampled_from(["delta", "pairs"]))
 def test_sparse_payloads_reproduce_the_trainer_bit_for_bit(dtype, shape_list, steps, density,
-                                                           seed):
+                                                           seed, coding):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     weights = {f"p.t{i}": torch.randn(s).to(dtype) for i, s in enumerate(shape_list)}
-    engine, receiver, sender = new_sync(weights)
+    engine, receiver, sender = new_sync(weights, coding=coding)
     push(sender, receiver, weights, 0, full=True)
     old = {n: t.clone() for n, t in named(engine).items()}
     for _ in range(steps):  # k optimizer steps between two syncs: their index sets are united
@@ -90,6 +99,7 @@ def test_sparse_payloads_reproduce_the_trainer_bit_for_bit(dtype, shape_list, st
         assert same_bits(got[n], w)
     # the carried indices are exactly the elements whose stored bits differ (naive reference)
     views = P.entry_views(meta, arena)
+    entries = {e.name: e for e in meta.entries}
     for name, w in weights.items():
         a = P.bits(old[name]).reshape(-1).numpy()
         b = P.bits(w).reshape(-1).numpy()
@@ -98,7 +108,17 @@ def test_sparse_payloads_reproduce_the_trainer_bit_for_bit(dtype, shape_list, st
             assert name not in views  # unchanged tensors are dropped
             continue
         values, indices = views[name]
-        if indices is None:  # denser than break-even: sent whole
+        if coding == "delta":  # coded where smaller than the tensor, else whole
+            if entries[name].coded is None:
+                assert same_bits(values, w.reshape(-1))
+                assert coded_size(old[name], w) >= w.numel() * w.element_size()
+            else:
+                idx, diff = decode(values, entries[name].coded)
+                assert idx.tolist() == expected
+                assert values.numel() < w.numel() * w.element_size()
+                naive = [(int(b[j]) - int(a[j])) % 2**(8 * w.element_size()) for j in expected]
+                assert [d % 2**(8 * w.element_size()) for d in diff.tolist()] == naive
+        elif indices is None:  # denser than break-even: sent whole
             assert not P.sparse_wins(len(expected), w.numel(), w.element_size(), 4)
             assert same_bits(values, w.reshape(-1))
         else:
@@ -153,7 +173,7 @@ def test_tensors_over_the_int32_limit_get_int64_indices(monkeypatch):
     assert P.index_dtype(2**31 - 1) == torch.int32 and P.index_dtype(2**31) == torch.int64
     monkeypatch.setattr(P, "INT32_MAX", 50)  # stands for 2**31 - 1 without 4 GiB tensors
     w0 = {"p.small": torch.zeros(40), "p.big": torch.zeros(200)}
-    engine, receiver, sender = new_sync(w0)
+    engine, receiver, sender = new_sync(w0, coding="pairs")
     push(sender, receiver, w0, 0)
     w1 = {n: t.clone() for n, t in w0.items()}
     w1["p.small"][[3, 7]] = 1.0

@@ -24,6 +24,14 @@ def proc(tiny):
     p.close()
 
 
+@pytest.fixture(scope="module")
+def socket_proc(tiny):
+    model, tok = tiny
+    p = EngineProcess(model, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=1, wire="socket")
+    yield p
+    p.close()
+
+
 def in_process_engine(model, tok):
     engine = Engine(model, pad_id=tok.pad_token_id, seed=1)
     engine.model.to(torch.bfloat16)
@@ -49,30 +57,35 @@ def test_child_engine_generates_what_the_in_process_engine_generates(tiny, proc)
         proc.no_such_method
 
 
-def test_rl_with_a_child_engine_matches_in_process_exactly(tiny, proc):
+def test_rl_with_a_child_engine_matches_in_process_exactly(tiny, proc, socket_proc):
     model, tok = tiny
-    runs = {}
-    for where in ("inproc", "process"):
+    runs, wire_bytes = {}, {}
+    for where in ("inproc", "process", "socket"):
         trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=1e-5, steps=10),
                           pad_id=tok.pad_token_id, seed=0)
         if where == "inproc":
             engine = in_process_engine(model, tok)
             transport = InProcessTransport(engine)
         else:
-            engine = proc
-            proc.load_weights(model.state_dict(), 0)  # the module's engine may have moved on
-            transport = ProcessTransport(proc)
+            engine = proc if where == "process" else socket_proc
+            engine.load_weights(model.state_dict(), 0)  # the module's engine may have moved on
+            transport = ProcessTransport(engine)
         sync = WeightSync(trainer, transport, mode="sparse", check=True)
         sync.push()
-        log = []
+        log, wire_bytes[where] = [], []
         for step in range(3):
             groups = rl_groups(engine, tok, seed=100 * step)
             log.append([s.response_ids for g in groups for s in g.samples])
             log.append(trainer.update(groups))
             m = sync.push()
+            # the metadata names its sender by a random id, which compresses by a byte or so
+            # more or less: wire bytes agree to a few bytes, everything else exactly
+            wire_bytes[where].append(m.pop("sync/bytes"))
             log.append({k: v for k, v in m.items() if "seconds" not in k})
         runs[where] = log
-    assert runs["inproc"] == runs["process"]
+    assert runs["inproc"] == runs["process"] == runs["socket"]
+    for where in ("process", "socket"):
+        assert wire_bytes[where] == pytest.approx(wire_bytes["inproc"], abs=8)
     last = runs["process"][-1]
     assert last["sync/sparse"] == 1.0 and 0 < last["sync/density"] < 0.5  # it trained
     assert "train/loss" in runs["process"][-2]
@@ -103,3 +116,25 @@ def test_refusals_cross_the_process_boundary_and_a_new_engine_gets_a_full_sync(t
             second.generate(requests(tok))
     finally:
         second.close()
+
+
+def test_a_refusal_on_the_socket_wire_leaves_the_pipe_usable(tiny, socket_proc):
+    """The payload's bytes are read before it is judged, so a refused payload does not leave
+    bytes in the pipe for the next command to misread."""
+    model, tok = tiny
+    socket_proc.load_weights(model.state_dict(), 0)
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=1e-5), pad_id=tok.pad_token_id)
+    sync = WeightSync(trainer, ProcessTransport(socket_proc), mode="sparse", check=True)
+    sync.push()
+    trainer.update(rl_groups(socket_proc, tok, seed=7))
+    meta, _ = sync.sender.encode(trainer.weights(), trainer.version, socket_proc.arena,
+                                 full=False)
+    meta.base_version = 99
+    with pytest.raises(StaleEngineError, match="applies to version 99"):
+        socket_proc.apply(meta)
+    assert socket_proc.version == 0
+    sync.sender.reset()
+    m = sync.push()  # full, then compared bit for bit (check mode) through the same pipe
+    assert m["sync/sparse"] == 0.0 and socket_proc.version == trainer.version
+    trainer.update(rl_groups(socket_proc, tok, seed=8))
+    assert sync.push()["sync/sparse"] == 1.0

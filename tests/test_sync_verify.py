@@ -168,14 +168,22 @@ def test_a_full_payload_missing_a_tensor_is_refused_before_any_write(tiny):
     assert all(torch.equal(before[n], b) for n, b in engine_bits(engine).items())
 
 
-def test_an_index_out_of_range_is_refused(tiny):
-    trainer, engine, sync = setup(tiny, lr=1e-5)
+@pytest.mark.parametrize("coding", ["pairs", "delta"])
+def test_an_index_out_of_range_is_refused(tiny, coding):
+    trainer, engine, sync = setup(tiny, lr=1e-5, coding=coding)
     sync.push()
     trainer.step()
     meta, arena = sync.sender.encode(trainer.weights(), 1, sync.transport.alloc, full=False)
-    sparse = [(n, i) for n, (v, i) in entry_views(meta, arena).items() if i is not None]
-    assert sparse, "an AdamW step at lr 1e-5 leaves bf16 tensors below break-even"
-    sparse[0][1][-1] = 10**8
+    views = entry_views(meta, arena)
+    if coding == "pairs":
+        sparse = [i for v, i in views.values() if i is not None]
+        assert sparse, "an AdamW step at lr 1e-5 leaves bf16 tensors below break-even"
+        sparse[0][-1] = 10**8
+    else:  # every short gap made 255: the indices run past the tensor's end
+        coded = [e for e in meta.entries if e.coded and e.coded.changes > 300]
+        assert coded, "an AdamW step at lr 1e-5 leaves no coded tensor with 300 changes"
+        gaps = views[coded[0].name][0][:coded[0].coded.changes]
+        gaps[gaps != 0] = 255
     with pytest.raises(CorruptPayloadError, match="IndexError|out of bounds|index"):
         sync.transport.apply(meta, arena)
     assert engine.version == -1

@@ -22,7 +22,7 @@ the same weights: the two are measured side by side on the same weights and engi
   and 16-token responses, groups of 4 with binary rewards, fused AdamW.
 
 Reported: density (share of bf16 elements whose stored value changed), bytes of each payload
-(tensor bytes incl. padding, plus the pickled metadata), wall seconds of each push (encode,
+(tensor bytes incl. padding, plus the compressed pickled metadata), wall seconds of each push (encode,
 shared-memory hand-off, apply, checksum verify on both sides), and whether the engine was
 bit-identical to the trainer after every sparse sync.
 """
@@ -62,8 +62,14 @@ def to_bf16_grid(model) -> None:
             p.copy_(p.to(torch.bfloat16))
 
 
-def measure(sparse, full, check: bool) -> dict:
-    """One sparse push (then the bit-for-bit check), one full push of the same weights."""
+def measure(sparse, full, pairs, check: bool) -> dict:
+    """One sparse push (then the bit-for-bit check), one full push of the same weights, and
+    the same sparse payload coded as SparseRL-Sync's (index, value) pairs (encoded and
+    measured, not sent: the engine already holds those weights)."""
+    from rollwise.sync.payload import pack_meta
+    trainer = sparse.trainer
+    meta, _ = pairs.sender.encode(trainer.weights(), trainer.version, pairs.transport.alloc,
+                                  full=False)
     ms = sparse.push()
     exact = True
     if check:
@@ -73,6 +79,7 @@ def measure(sparse, full, check: bool) -> dict:
             exact = False
     mf = full.push()
     return {"density": ms["sync/density"], "sparse_bytes": ms["sync/bytes"],
+            "pairs_bytes": meta.nbytes + len(pack_meta(meta)),
             "full_bytes": mf["sync/bytes"], "sparse_s": ms["sync/seconds"],
             "full_s": mf["sync/seconds"], "sparse_kind": ms["sync/sparse"],
             "dense_tensors": ms["sync/dense_tensors"], "exact": exact,
@@ -83,10 +90,12 @@ def measure(sparse, full, check: bool) -> dict:
 def syncs(trainer, proc):
     from rollwise.sync import ProcessTransport, WeightSync
     transport = ProcessTransport(proc)
-    sparse = WeightSync(trainer, transport, mode="sparse")
+    sparse = WeightSync(trainer, transport, mode="sparse", coding="delta")
     full = WeightSync(trainer, transport, mode="full")
+    pairs = WeightSync(trainer, transport, mode="sparse", coding="pairs")
     sparse.push()  # a new sender: full; the engine now holds the start weights
-    return sparse, full
+    pairs.sender.encode(trainer.weights(), trainer.version, transport.alloc, full=True)
+    return sparse, full, pairs
 
 
 # --- tiny model: rollwise's Trainer on rollouts from the engine process --------------------------
@@ -103,18 +112,20 @@ def tiny_rows(args) -> list[dict]:
     to_bf16_grid(model0)
     task = load_task(TaskConfig(train_size=2000, eval_size=10))
     rows = []
-    proc = EngineProcess(model0, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=args.seed)
+    proc = EngineProcess(model0, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=args.seed,
+                         wire=args.wire)
     try:
         for lr in args.tiny_lrs:
             model = copy.deepcopy(model0)
             trainer = Trainer(model, TrainConfig(lr=lr, steps=10**6), pad_id=tok.pad_token_id,
                               seed=args.seed)
-            sparse, full = syncs(trainer, proc)
+            sparse, full, pairs = syncs(trainer, proc)
             for step in range(1, args.tiny_steps + 1):
                 groups = rollouts(proc, tok, task, step, exact=bool(args.init), seed=args.seed)
                 trainer.update(groups)
                 rows.append({"model": "tiny", "params": models.num_params(model), "lr": lr,
-                             "step": step, **measure(sparse, full, check=True)})
+                             "wire": args.wire,
+                             "step": step, **measure(sparse, full, pairs, check=True)})
                 log(args, rows[-1])
     finally:
         proc.close()
@@ -196,7 +207,7 @@ def large_rows(args) -> list[dict]:
     params = sum(p.numel() for p in model.parameters())
     log(args, f"0.5b: {params / 1e9:.3f}B parameters built in {time.perf_counter() - t0:.0f}s")
     trainer = LeanTrainer(model)
-    proc = EngineProcess(model, dtype=torch.bfloat16, pad_id=0, seed=args.seed)
+    proc = EngineProcess(model, dtype=torch.bfloat16, pad_id=0, seed=args.seed, wire=args.wire)
     rows = []
     try:
         for lr in args.lrs:
@@ -204,17 +215,18 @@ def large_rows(args) -> list[dict]:
                 for n, p in model.named_parameters():
                     p.copy_(start[n])
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
-            sparse, full = syncs(trainer, proc)
+            sparse, full, pairs = syncs(trainer, proc)
             for step in range(1, args.steps + 1):
                 t1 = time.perf_counter()
                 pg_step(model, opt, step, args.batch, args.vocab, args.seed)
                 trainer.version += 1
                 train_s = time.perf_counter() - t1
                 rows.append({"model": "0.5b", "params": params, "lr": lr, "step": step,
+                             "wire": args.wire,
                              "train_s": train_s,
-                             **measure(sparse, full, check=step == args.steps or args.check_all)})
+                             **measure(sparse, full, pairs, check=step == args.steps or args.check_all)})
                 log(args, rows[-1])
-            del opt, sparse, full
+            del opt, sparse, full, pairs
     finally:
         proc.close()
     return rows
@@ -232,6 +244,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "density_by_step": [r["density"] for r in rs],
                     "full_mb": med("full_bytes") / 2**20, "sparse_mb": med("sparse_bytes") / 2**20,
                     "bytes_ratio": med("full_bytes") / med("sparse_bytes"),
+                    "pairs_mb": med("pairs_bytes") / 2**20,
+                    "pairs_ratio": med("full_bytes") / med("pairs_bytes"), "wire": rs[0]["wire"],
                     "full_s": med("full_s"), "sparse_s": med("sparse_s"),
                     "speedup": med("full_s") / med("sparse_s"),
                     "full_link_s": med("full_s") + med("full_bytes") / LINK_BYTES_PER_S,
@@ -245,13 +259,14 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    head = (f"{'model':6} {'params':>8} {'lr':>7} {'steps':>5} {'density':>8} {'full MB':>9} "
-            f"{'sparse MB':>9} {'bytes x':>8} {'full s':>7} {'sparse s':>8} {'speedup':>7} "
-            f"{'full@10Gb':>9} {'sparse@10Gb':>11} {'exact':>5}")
+    head = (f"{'model':6} {'params':>8} {'wire':>6} {'lr':>7} {'steps':>5} {'density':>8} "
+            f"{'full MB':>9} {'pairs x':>7} {'sparse MB':>9} {'bytes x':>8} {'full s':>7} "
+            f"{'sparse s':>8} {'speedup':>7} {'full@10Gb':>9} {'sparse@10Gb':>11} {'exact':>5}")
     lines = [head, "-" * len(head)]
     for s in summary:
-        lines.append(f"{s['model']:6} {s['params'] / 1e6:7.1f}M {s['lr']:7.0e} {s['steps']:5d} "
-                     f"{100 * s['density_mean']:7.3f}% {s['full_mb']:9.2f} {s['sparse_mb']:9.3f} "
+        lines.append(f"{s['model']:6} {s['params'] / 1e6:7.1f}M {s['wire']:>6} {s['lr']:7.0e} "
+                     f"{s['steps']:5d} {100 * s['density_mean']:7.3f}% {s['full_mb']:9.2f} "
+                     f"{s['pairs_ratio']:7.1f} {s['sparse_mb']:9.3f} "
                      f"{s['bytes_ratio']:8.1f} {s['full_s']:7.3f} {s['sparse_s']:8.3f} "
                      f"{s['speedup']:7.2f} {s['full_link_s']:9.3f} {s['sparse_link_s']:11.3f} "
                      f"{'yes' if s['bit_exact'] else 'NO':>5}")
@@ -286,6 +301,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--init", help="tiny: start from this model folder (e.g. a warm start) and "
                                   "reward exact answers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wire", choices=["shm", "socket"], default="shm",
+                   help="how payload bytes reach the engine process: shared memory (no copy) or "
+                        "its Unix socket (every byte copied, as over a network)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per process (1: the CPU is shared; OpenMP's barriers "
                         "stall when its threads cannot all run)")

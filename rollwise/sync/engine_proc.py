@@ -21,10 +21,10 @@ import traceback
 import torch
 
 from rollwise.sync.errors import BY_NAME, EngineProcessError, SyncError
-from rollwise.sync.payload import dtype_name, to_dtype
+from rollwise.sync.payload import dtype_name, pack_meta, to_dtype, unpack_meta
 from rollwise.sync.receiver import Ack, EngineState, Receiver
 from rollwise.sync.sender import Sender
-from rollwise.sync.transport import SharedArena
+from rollwise.sync.transport import GrowingBuffer, SharedArena
 
 
 def _wire(t: torch.Tensor) -> tuple[bytes, str, tuple[int, ...]]:
@@ -41,10 +41,18 @@ def _unwire(w) -> torch.Tensor:
 
 class EngineProcess:
     """The built-in Engine, hosted in a child process. Exposes `generate`, `version`,
-    `tokens_generated`, `load_weights` and `call(method, ...)` for any other engine method."""
+    `tokens_generated`, `load_weights` and `call(method, ...)` for any other engine method.
+
+    `wire` is how payload bytes reach the child: "shm", a shared-memory arena both map (no
+    copy, needs /dev/shm as large as the model), or "socket", copied through the pipe's Unix
+    socket (no shared memory; every byte moves, as over a network)."""
 
     def __init__(self, model, *, dtype: torch.dtype | None = None, threads: int | None = None,
-                 version: int = 0, **engine_kwargs):
+                 version: int = 0, wire: str = "shm", **engine_kwargs):
+        if wire not in ("shm", "socket"):
+            raise ValueError(f"engine process wire {wire!r}: use 'shm' or 'socket'")
+        self.wire = wire
+        self._local = GrowingBuffer()  # the socket wire's arena, in this process
         ctx = mp.get_context("spawn")  # fork would copy a threaded torch runtime
         self._conn, child = ctx.Pipe()
         init = {"cls": type(model), "config": model.config,
@@ -99,7 +107,10 @@ class EngineProcess:
         return state
 
     def arena(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` of the shared arena; grows it (and tells the child) when too small."""
+        """`nbytes` of the arena: shared memory, grown (and the child told) when too small; on
+        the socket wire, a buffer in this process."""
+        if self.wire == "socket":
+            return self._local.take(nbytes)
         if self._arena is None or self._arena.nbytes < nbytes:
             grown = SharedArena(max(nbytes, int(1.25 * self._arena.nbytes) if self._arena else 0))
             self._call("attach", grown.name, grown.nbytes)
@@ -110,7 +121,12 @@ class EngineProcess:
 
     def apply(self, meta) -> Ack:
         try:
-            ack = self._call("apply", meta)
+            if self.wire == "socket":
+                self._send("apply_bytes", pack_meta(meta), meta.nbytes)
+                self._send_bytes(self._local.take(meta.nbytes))
+                ack = self._recv()
+            else:
+                ack = self._call("apply", pack_meta(meta))
         except SyncError:
             self.sync_state()  # the child may have marked its weights unknown (version -1)
             raise
@@ -120,18 +136,32 @@ class EngineProcess:
     def export(self):
         """(meta, arena): the child's weights as a full payload in the shared arena."""
         spec = self.sync_state().spec
+        if self.wire == "socket":
+            meta = self._call("export_bytes")
+            arena = self._local.take(meta.nbytes)
+            self._conn.recv_bytes_into(arena.numpy())
+            return meta, arena
         self.arena(sum(s.nbytes for s in spec.values()) + 256 * len(spec) * 8)
         return self._call("export"), self._arena.tensor
 
     # --- process plumbing -------------------------------------------------------------------
     def _call(self, cmd: str, *args):
+        self._send(cmd, *args)
+        return self._recv()
+
+    def _send(self, cmd: str, *args) -> None:
         if self._proc is None:
             raise EngineProcessError("the engine process is closed")
         try:
             self._conn.send((cmd, args))
         except (BrokenPipeError, OSError) as e:
             raise self._died() from e
-        return self._recv()
+
+    def _send_bytes(self, data: torch.Tensor) -> None:
+        try:
+            self._conn.send_bytes(data.numpy())
+        except (BrokenPipeError, OSError) as e:
+            raise self._died() from e
 
     def _recv(self):
         try:
@@ -209,6 +239,7 @@ def _child_main(conn, init: dict) -> None:
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
     arena: SharedArena | None = None
+    received = GrowingBuffer()  # the socket wire's payloads
     while True:
         try:
             cmd, args = conn.recv()
@@ -226,9 +257,18 @@ def _child_main(conn, init: dict) -> None:
             elif cmd == "state":
                 out = receiver.state()
             elif cmd == "apply":
-                out = receiver.apply(args[0], arena.tensor)
+                out = receiver.apply(unpack_meta(args[0]), arena.tensor)
+            elif cmd == "apply_bytes":  # the payload's bytes follow on the pipe
+                data = received.take(args[1])
+                conn.recv_bytes_into(data.numpy())
+                out = receiver.apply(unpack_meta(args[0]), data)
             elif cmd == "export":
                 out, _ = receiver.export(lambda n: arena.tensor[:n])
+            elif cmd == "export_bytes":  # the metadata, then the bytes
+                out, data = receiver.export(received.take)
+                conn.send(("ok", out))
+                conn.send_bytes(data.numpy())
+                continue
             elif cmd == "call":
                 out = (getattr(engine, args[0])(*args[1], **args[2]), engine.tokens_generated,
                        engine.version)
@@ -247,8 +287,9 @@ def build_engine(cfg, model, *, pad_id: int):
     from rollwise.engine import Engine
     kwargs = dict(pad_id=pad_id, max_batch=cfg.engine.max_batch, seed=cfg.run.seed)
     dtype = None if cfg.sync.engine_dtype == "same" else to_dtype(cfg.sync.engine_dtype)
-    if cfg.sync.transport == "process":
-        return EngineProcess(model, dtype=dtype, **kwargs)
+    if cfg.sync.transport in ("process", "socket"):
+        return EngineProcess(model, dtype=dtype, wire="socket" if cfg.sync.transport == "socket"
+                             else "shm", **kwargs)
     engine = Engine(model, **kwargs)
     if dtype is not None:
         engine.model.to(dtype)

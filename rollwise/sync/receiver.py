@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rollwise.sync.errors import ChecksumError, CorruptPayloadError, StaleEngineError, SyncError
-from rollwise.sync.payload import (PayloadMeta, TensorSpec, checksum, dtype_name, entry_views,
+from rollwise.sync import coding
+from rollwise.sync.payload import (PayloadMeta, bits, TensorSpec, checksum, dtype_name, entry_views,
                                    plan, Item, specs, unique_tensors)
 
 
@@ -54,9 +55,12 @@ class Receiver:
         self.held = None  # until the result is verified
         try:
             with torch.no_grad():
+                coded = {e.name: e.coded for e in meta.entries if e.coded}
                 for name, (values, indices) in entry_views(meta, arena).items():
                     flat = own[name].view(-1)
-                    if indices is None:
+                    if name in coded:
+                        coding.apply(bits(flat), *coding.decode(values, coded[name]))
+                    elif indices is None:
                         flat.copy_(values)
                     else:
                         flat.index_copy_(0, indices.long(), values)
@@ -112,14 +116,27 @@ class Receiver:
                                           f"they would stay stale")
         for e in meta.entries:
             t, bucket = own[e.name], meta.buckets[e.bucket]
+            if not t.is_contiguous():
+                raise CorruptPayloadError(f"{e.name}: the engine's tensor is not contiguous")
+            if e.coded is not None:
+                self._check_coded(e, t, bucket)
+                continue
             if dtype_name(t.dtype) != bucket.dtype:
                 raise CorruptPayloadError(f"{e.name}: engine dtype {t.dtype}, payload dtype "
                                           f"{bucket.dtype}")
             if (bucket.index_dtype is None and e.count != t.numel()) or e.count > t.numel():
                 raise CorruptPayloadError(f"{e.name}: {e.count} values for {t.numel()} "
                                           f"elements")
-            if not t.is_contiguous():
-                raise CorruptPayloadError(f"{e.name}: the engine's tensor is not contiguous")
+
+    @staticmethod
+    def _check_coded(e, t: torch.Tensor, bucket) -> None:
+        c = e.coded
+        if not bucket.coded or c.width != t.element_size() or c.nbytes != e.count:
+            raise CorruptPayloadError(f"{e.name}: a coded blob of {e.count} bytes for "
+                                      f"{c.width}-byte elements does not fit the engine's "
+                                      f"{t.dtype} tensor (or its header)")
+        if c.changes > t.numel():
+            raise CorruptPayloadError(f"{e.name}: {c.changes} changes for {t.numel()} elements")
 
     def _verify(self, meta: PayloadMeta, own: dict[str, torch.Tensor]) -> None:
         if meta.checksums is None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rollwise.sync import coding
 from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, digest,
                                    dtype_name, entry_views, index_dtype, plan, sparse_wins,
                                    to_dtype)
@@ -30,7 +31,10 @@ Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 arena the transport c
 
 class Sender:
     def __init__(self, spec: dict[str, TensorSpec], *, keep_mirror: bool, with_checksum: bool,
-                 bucket_bytes: int):
+                 bucket_bytes: int, coding: str = "delta"):
+        if coding not in ("delta", "pairs"):
+            raise ValueError(f"sync coding {coding!r}: use 'delta' or 'pairs'")
+        self.coding = coding
         self.id = uuid.uuid4().hex[:12]
         self.spec = spec
         self.keep_mirror = keep_mirror  # sparse payloads need it; full-only syncs do not
@@ -106,21 +110,26 @@ class Sender:
         for name, s in self.spec.items():
             mirror = self.mirror[name]
             new = self._as_engine_dtype(self._weight(weights, name), mirror.dtype)
-            idx = self._changed(new, mirror)
+            idx, new_bits, old_bits = self._changed(new, mirror)
             n = idx.numel()
             if n == 0:
                 continue
             changed += n
             idt = index_dtype(s.numel)
-            if sparse_wins(n, s.numel, mirror.element_size(), idt.itemsize):
-                values = new.index_select(0, idx)
-                mirror.index_copy_(0, idx, values)
-                parts[name] = (idx.to(idt), values)
+            nbytes = mirror.numel() * mirror.element_size()
+            blob = None
+            if self.coding == "delta" and coding.codable(mirror.element_size()):
+                blob, head = coding.encode(idx, old_bits, new_bits, idt)
+            if blob is not None and blob.numel() < nbytes:
+                parts[name] = blob
+                items.append(Item(name, s.dtype, blob.numel(), False, coded=head))
+            elif blob is None and sparse_wins(n, s.numel, mirror.element_size(), idt.itemsize):
+                parts[name] = (idx.to(idt), new_bits.view(mirror.dtype))
                 items.append(Item(name, s.dtype, n, True, dtype_name(idt)))
             else:  # denser than break-even: this tensor goes whole
-                mirror.copy_(new)
                 parts[name] = None
                 items.append(Item(name, s.dtype, s.numel, False))
+            bits(mirror).index_copy_(0, idx, new_bits)
             dirty[name] = mirror
         meta = plan(items, kind="sparse", sender=self.id, base_version=self.version,
                     version=version, bucket_bytes=self.bucket_bytes)
@@ -129,6 +138,8 @@ class Sender:
         for name, (values, indices) in entry_views(meta, arena).items():
             if parts[name] is None:
                 values.copy_(self.mirror[name])
+            elif isinstance(parts[name], torch.Tensor):  # a coded blob
+                values.copy_(parts[name])
             else:
                 indices.copy_(parts[name][0])
                 values.copy_(parts[name][1])
@@ -146,10 +157,11 @@ class Sender:
             buf = self._scratch[dtype] = torch.empty(w.numel(), dtype=dtype)
         return buf[:w.numel()].copy_(w)
 
-    def _changed(self, new: torch.Tensor, mirror: torch.Tensor) -> torch.Tensor:
-        """Flat int64 indices (ascending) where the stored bits differ. Compared 8 bytes at a
-        time first (4 bf16 per word): at RL densities most words are equal, so the element-wise
-        work runs only on the few words that differ (2-3x faster on CPU at ~1% density)."""
+    def _changed(self, new: torch.Tensor, mirror: torch.Tensor):
+        """(flat int64 indices, ascending, where the stored bits differ; the new and the
+        mirror's bits there). Compared 8 bytes at a time first (4 bf16 per word): at RL
+        densities most words are equal, so the element-wise work runs only on the few words
+        that differ (2-3x faster on CPU at ~1% density), and the bits come from those words."""
         per = 8 // new.element_size()
         if per > 1 and new.numel() % per == 0:
             try:
@@ -159,12 +171,15 @@ class Sender:
             else:
                 words = flatnonzero(self._ne(a, b))
                 if words.numel() * 4 <= a.numel():  # else element-wise is cheaper
-                    x = (a.index_select(0, words) ^ b.index_select(0, words)).view(
-                        bits(new).dtype)  # the differing words, element by element
-                    hit = flatnonzero(x != 0)
+                    kind = bits(new).dtype
+                    aw, bw = a.index_select(0, words), b.index_select(0, words)
+                    hit = flatnonzero((aw ^ bw).view(kind) != 0)  # the differing elements
                     shift = per.bit_length() - 1
-                    return (words.index_select(0, hit >> shift) << shift) | (hit & (per - 1))
-        return flatnonzero(self._ne(bits(new), bits(mirror)))
+                    idx = (words.index_select(0, hit >> shift) << shift) | (hit & (per - 1))
+                    return idx, aw.view(kind).index_select(0, hit), bw.view(kind).index_select(0, hit)
+        a, b = bits(new), bits(mirror)
+        idx = flatnonzero(self._ne(a, b))
+        return idx, a.index_select(0, idx), b.index_select(0, idx)
 
     def _ne(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self._mask.numel() < a.numel():

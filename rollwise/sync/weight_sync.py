@@ -3,7 +3,8 @@
     sync = build_sync(cfg.sync, trainer, engine)
     metrics = sync.push()    # sync/bytes, sync/density, sync/seconds, sync/sparse, ...
 
-`sync.mode=sparse` ships SparseRL-Sync payloads (only the changed elements, exactly) and
+`sync.mode=sparse` ships SparseRL-Sync payloads (only the changed elements, exactly; with
+`sync.coding=delta`, index gaps and bit differences coded in ~1.3 bytes per change) and
 falls back to a full payload, as a whole, for a new engine or one that refuses the base version
 or fails the checksum; `sync.check=true` also compares the engine's weights with the trainer's
 bit for bit after every sync.
@@ -12,14 +13,13 @@ bit for bit after every sync.
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 
 import torch
 
 from rollwise.config import SyncConfig
 from rollwise.sync.errors import SyncError, WeightMismatchError
-from rollwise.sync.payload import PayloadMeta, bits, specs, to_dtype, unique_tensors
+from rollwise.sync.payload import PayloadMeta, bits, pack_meta, specs, to_dtype, unique_tensors
 from rollwise.sync.receiver import Ack
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import InProcessTransport, ProcessTransport, Transport
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 class WeightSync:
     def __init__(self, trainer, transport: Transport, *, mode: str = "full",
-                 with_checksum: bool = True, check: bool = False, bucket_mb: float = 512):
+                 with_checksum: bool = True, check: bool = False, bucket_mb: float = 512,
+                 coding: str = "delta"):
         if mode not in ("full", "sparse"):
             raise ValueError(f"sync mode {mode!r}: use 'full' or 'sparse'")
         self.trainer, self.transport = trainer, transport
@@ -37,7 +38,8 @@ class WeightSync:
         state = transport.state()
         check_same_tensors(specs(unique_tensors(trainer.weights())), state.spec)
         self.sender = Sender(state.spec, keep_mirror=mode == "sparse",
-                             with_checksum=with_checksum, bucket_bytes=int(bucket_mb * 2**20))
+                             with_checksum=with_checksum, bucket_bytes=int(bucket_mb * 2**20),
+                             coding=coding)
         self.totals = {"syncs": 0, "bytes": 0, "fallbacks": 0}
 
     def push(self, full: bool = False) -> dict[str, float]:
@@ -58,7 +60,7 @@ class WeightSync:
         seconds = time.perf_counter() - t0  # the check below is debugging, not the sync
         if self.check:
             self.compare(weights)
-        nbytes = meta.nbytes + len(pickle.dumps(meta))
+        nbytes = meta.nbytes + len(pack_meta(meta))
         self.totals["syncs"] += 1
         self.totals["bytes"] += nbytes
         self.totals["fallbacks"] += int(fallback)
@@ -115,8 +117,9 @@ def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
     `Engine` or an `EngineProcess`, see `build_engine`)."""
     from rollwise.sync.engine_proc import EngineProcess
     in_child = isinstance(engine, EngineProcess)
-    if in_child != (cfg.transport == "process"):
-        where = "a child process" if in_child else "this process"
+    wire = {"process": "shm", "socket": "socket"}.get(cfg.transport)
+    if in_child != (wire is not None) or (in_child and engine.wire != wire):
+        where = (f"a child process (wire {engine.wire})" if in_child else "this process")
         raise ValueError(f"sync.transport={cfg.transport} but the engine lives in {where}; "
                          f"build it with rollwise.sync.build_engine(cfg, model, pad_id=...)")
     transport = ProcessTransport(engine) if in_child else InProcessTransport(engine)
@@ -128,4 +131,4 @@ def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
                              f"{sorted(set(wrong.values()))} weights (e.g. {next(iter(wrong))}); "
                              f"build it with rollwise.sync.build_engine(cfg, model, pad_id=...)")
     return WeightSync(trainer, transport, mode=cfg.mode, with_checksum=cfg.checksum,
-                      check=cfg.check, bucket_mb=cfg.bucket_mb)
+                      check=cfg.check, bucket_mb=cfg.bucket_mb, coding=cfg.coding)
