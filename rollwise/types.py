@@ -123,28 +123,39 @@ class Batch:
     @classmethod
     def from_samples(cls, samples: list[Sample], advantages: list[float], pad_id: int,
                      group_index: list[int] | None = None) -> "Batch":
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        B, T = len(samples), max(lengths)
+        # One tensor per column for the whole batch, scattered into place: a Python loop of
+        # small tensor copies per sample costs more than the trainer's forward pass here.
+        P = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+        N = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+        B, T = len(samples), int((P + N).max())
+        rows = torch.arange(B)
         input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-        attention = torch.zeros((B, T), dtype=torch.long)
-        loss_mask = torch.zeros((B, T - 1))
-        behaviour = torch.zeros((B, T - 1))
-        versions = torch.full((B, T - 1), -1, dtype=torch.long)
-        entropies = torch.zeros((B, T - 1))  # for per-token advantage shaping (ECHO)
-        for i, s in enumerate(samples):
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            input_ids[i, :p + n] = torch.tensor(s.prompt_ids + s.response_ids)
-            attention[i, :p + n] = 1
-            # response token j sits at position p+j and is predicted from column p+j-1
-            loss_mask[i, p - 1:p - 1 + n] = torch.tensor(s.loss_mask, dtype=torch.float)
-            behaviour[i, p - 1:p - 1 + n] = torch.tensor(s.logprobs, dtype=torch.float)
-            versions[i, p - 1:p - 1 + n] = torch.tensor(s.versions, dtype=torch.long)
-            if len(s.entropies) == n:
-                entropies[i, p - 1:p - 1 + n] = torch.tensor(s.entropies, dtype=torch.float)
+        seq_rows = rows.repeat_interleave(P + N)
+        input_ids[seq_rows, _ranges(P + N)] = torch.tensor(
+            [t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.long)
+        attention = (torch.arange(T)[None] < (P + N)[:, None]).long()
+        # response token j sits at position p+j and is predicted from column p+j-1
+        at = (rows.repeat_interleave(N), (P - 1).repeat_interleave(N) + _ranges(N))
+
+        def column(values: list, dtype, fill=0, where=at) -> torch.Tensor:
+            if len(values) != len(where[0]):
+                for s in samples:
+                    s.check()  # names the sample whose columns disagree
+            out = torch.full((B, T - 1), fill, dtype=dtype)
+            out[where] = torch.tensor(values, dtype=dtype)
+            return out
+        loss_mask = column([x for s in samples for x in s.loss_mask], torch.float)
+        behaviour = column([x for s in samples for x in s.logprobs], torch.float)
+        versions = column([x for s in samples for x in s.versions], torch.long, -1)
+        # engine entropy per response target, for per-token advantage shaping (ECHO)
+        has_ent = torch.tensor([len(s.entropies) == len(s.response_ids) for s in samples])
+        tok_ent = has_ent.repeat_interleave(N)
+        entropies = column([x for s in samples if len(s.entropies) == len(s.response_ids)
+                            for x in s.entropies], torch.float,
+                           where=(at[0][tok_ent], at[1][tok_ent]))
         gi = torch.tensor(group_index if group_index is not None else list(range(B)))
         return cls(input_ids, attention, loss_mask, behaviour, versions,
-                   torch.tensor(advantages, dtype=torch.float), gi, entropies,
-                   torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long))
+                   torch.tensor(advantages, dtype=torch.float), gi, entropies, P)
 
     def select(self, idx: torch.Tensor) -> "Batch":
         """Rows idx, trimmed to the longest remaining sequence."""
@@ -154,3 +165,9 @@ class Batch:
                      self.versions[idx, :T - 1], self.advantages[idx], self.group_index[idx],
                      None if self.entropies is None else self.entropies[idx, :T - 1],
                      None if self.prompt_lens is None else self.prompt_lens[idx])
+
+
+def _ranges(n: torch.Tensor) -> torch.Tensor:
+    """0..n[0]-1, 0..n[1]-1, ... concatenated."""
+    starts = torch.cumsum(n, 0) - n
+    return torch.arange(int(n.sum())) - starts.repeat_interleave(n)

@@ -110,3 +110,83 @@ def test_a_model_that_ignores_the_packing_mask_is_trained_unpacked(tiny):
     with pytest.warns(RuntimeWarning, match="pack_prompts"):
         trainer.update(clone(groups))
     assert trainer._pack is False
+
+
+def _with_columns(seed: int) -> list[Sample]:
+    """random_samples with random behaviour logprobs, versions, loss masks and (for some
+    samples) engine entropies."""
+    rng = random.Random(seed)
+    out = random_samples(seed)
+    for s in out:
+        n = s.num_tokens
+        s.logprobs = [rng.gauss(-1, 1) for _ in range(n)]
+        s.versions = [rng.randrange(4) for _ in range(n)]
+        s.loss_mask = [rng.randrange(2) for _ in range(n)]
+        s.entropies = [rng.random() for _ in range(n)] if rng.random() < 0.7 else []
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_columns_equal_a_per_sample_layout(seed):
+    """Batch.from_samples (vectorised) against the layout written out sample by sample."""
+    samples = _with_columns(seed)
+    batch = Batch.from_samples(samples, [0.5] * len(samples), pad_id=1)
+    T = max(len(s.prompt_ids) + s.num_tokens for s in samples)
+    for i, s in enumerate(samples):
+        p, n = len(s.prompt_ids), s.num_tokens
+        seq = s.prompt_ids + s.response_ids
+        assert batch.input_ids[i].tolist() == seq + [1] * (T - p - n)
+        assert batch.attention_mask[i].tolist() == [1] * (p + n) + [0] * (T - p - n)
+
+        def col(values, fill):  # response token j is the target of column p - 1 + j
+            return [fill] * (p - 1) + list(values) + [fill] * (T - p - n)
+        assert batch.loss_mask[i].tolist() == col(map(float, s.loss_mask), 0.0)
+        assert torch.equal(batch.behaviour_logprobs[i],
+                           torch.tensor(col(s.logprobs, 0.0), dtype=torch.float))
+        assert batch.versions[i].tolist() == col(s.versions, -1)
+        assert torch.equal(batch.entropies[i], torch.tensor(
+            col(s.entropies if len(s.entropies) == n else [0.0] * n, 0.0), dtype=torch.float))
+        assert int(batch.prompt_lens[i]) == p
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cap", [2048, 10, 1])
+def test_pack_layout_equals_a_row_by_row_reference(seed, cap):
+    """pack (vectorised) against the layout built row by row in plain Python: same rows,
+    tokens, positions, mask, and response targets in the same order (row, sample, token)."""
+    samples = random_samples(seed)
+    batch = Batch.from_samples(samples, [0.0] * len(samples), pad_id=1)
+    packed = pack(batch, max_row_tokens=cap)
+    rows, keys = [], {}  # [prompt, [sample indices], tokens]
+    for i, s in enumerate(samples):
+        r = keys.get(tuple(s.prompt_ids))
+        if r is None or rows[r][2] + s.num_tokens > cap:
+            r = keys[tuple(s.prompt_ids)] = len(rows)
+            rows.append([s.prompt_ids, [], len(s.prompt_ids)])
+        rows[r][1].append(i)
+        rows[r][2] += s.num_tokens
+    L = max(t for _, _, t in rows)
+    ids, pos, seg, targets = [], [], [], []
+    for r, (prompt, members, _) in enumerate(rows):
+        P = len(prompt)
+        tok, ps, sg = list(prompt), list(range(P)), [0] * P
+        for k, i in enumerate(members):
+            resp = samples[i].response_ids
+            for j, t in enumerate(resp):
+                targets.append((r, P - 1 if j == 0 else len(tok) - 1, t, i, P - 1 + j))
+                tok.append(t)
+                ps.append(P + j)
+                sg.append(k + 1)
+        ids.append(tok + [0] * (L - len(tok)))
+        pos.append(ps + [0] * (L - len(ps)))
+        seg.append(sg + [-1] * (L - len(sg)))
+    assert packed.input_ids.tolist() == ids and packed.position_ids.tolist() == pos
+    got = list(zip(*(x.tolist() for x in (packed.src_row, packed.src_pos, packed.target,
+                                           packed.dst_row, packed.dst_col))))
+    assert got == targets
+    for r in range(len(rows)):
+        for q in range(L):
+            for k in range(L):
+                may = (k <= q and seg[r][k] != -1 and seg[r][q] != -1
+                       and seg[r][k] in (0, seg[r][q])) or k == q
+                assert bool(packed.mask[r, 0, q, k]) == may

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.types import Batch
+from rollwise.types import Batch, _ranges
 
 
 @dataclass
@@ -45,53 +45,56 @@ class Packed:
 def pack(batch: Batch, max_row_tokens: int = 2048) -> Packed:
     """Rows of one prompt and as many of its responses as fit in max_row_tokens (at least one).
     Samples share a row when their prompt token ids are equal, whatever their group."""
-    ids, att = batch.input_ids.tolist(), batch.attention_mask.sum(1).tolist()
-    plen = batch.prompt_lens.tolist()
-    rows: list[tuple[list[int], list[int]]] = []  # (prompt ids, sample indices)
+    att, plen = batch.attention_mask.sum(1), batch.prompt_lens
+    ids, n_resp = batch.input_ids.tolist(), (att - plen).tolist()
+    row, off, member = [0] * batch.size, [0] * batch.size, [0] * batch.size  # per sample
+    first: list[int] = []  # per row: its first sample, whose prompt the row starts with
     used: list[int] = []  # tokens in each row
+    count: list[int] = []  # samples in each row
     open_row: dict[tuple[int, ...], int] = {}
-    for i in range(batch.size):
-        prompt = tuple(ids[i][:plen[i]])
-        n = att[i] - plen[i]
+    for i, p in enumerate(plen.tolist()):
+        prompt = tuple(ids[i][:p])
         r = open_row.get(prompt)
-        if r is None or used[r] + n > max_row_tokens:
-            r = open_row[prompt] = len(rows)
-            rows.append((list(prompt), []))
-            used.append(len(prompt))
-        rows[r][1].append(i)
-        used[r] += n
+        if r is None or used[r] + n_resp[i] > max_row_tokens:
+            r = open_row[prompt] = len(first)
+            first.append(i)
+            used.append(p)
+            count.append(0)
+        row[i], off[i], member[i] = r, used[r], count[r]
+        used[r] += n_resp[i]
+        count[r] += 1
 
-    row_ids, row_pos, row_seg = [], [], []  # per row: token ids, positions, segments
-    src_row, src_pos, target, dst_row, dst_col = [], [], [], [], []
-    for r, (prompt, members) in enumerate(rows):
-        P = len(prompt)
-        tok, pos, seg = list(prompt), list(range(P)), [0] * P  # segment 0: the prompt
-        for k, i in enumerate(members):
-            n = att[i] - plen[i]
-            response, at = ids[i][P:P + n], len(tok)
-            tok += response
-            pos += range(P, P + n)
-            seg += [k + 1] * n  # segment k+1: response k
-            # token j is predicted from the prompt's last position (j = 0) or from token j-1
-            src_row += [r] * n
-            src_pos += [P - 1] + list(range(at, at + n - 1)) if n else []
-            target += response
-            dst_row += [i] * n
-            dst_col += range(P - 1, P - 1 + n)
-        row_ids.append(tok)
-        row_pos.append(pos)
-        row_seg.append(seg)
-    L = max(len(t) for t in row_ids)
-    pad = lambda rows_, v: torch.tensor([x + [v] * (L - len(x)) for x in rows_])  # noqa: E731
-    input_ids, position_ids, segment = pad(row_ids, 0), pad(row_pos, 0), pad(row_seg, -1)
+    # Laid out with tensor ops. The response targets keep the order row, sample, token: the
+    # first tokens of a row's responses share one predicting position, whose gradient sums
+    # them in this order.
+    row, off, member = (torch.tensor(x, dtype=torch.long) for x in (row, off, member))
+    first = torch.tensor(first, dtype=torch.long)
+    R, L = len(first), max(used)
+    order = torch.argsort(row, stable=True)  # samples by row, in sample order within a row
+    n = (att - plen)[order]
+    smp = order.repeat_interleave(n)  # per response token: its sample,
+    j = _ranges(n)  # its index in the response,
+    P = plen[smp]
+    dst_row, dst_col = smp, P - 1 + j  # (the Batch's target column)
+    src_row, col = row[smp], off[smp] + j  # and where it sits in the packed rows
+    src_pos = torch.where(j == 0, P - 1, col - 1)  # j = 0: the prompt's last position
+    target = batch.input_ids[smp, P + j]
+    prow = torch.arange(R).repeat_interleave(plen[first])  # per prompt token: its row,
+    pj = _ranges(plen[first])  # its position
+    input_ids = torch.zeros((R, L), dtype=torch.long)
+    position_ids = torch.zeros((R, L), dtype=torch.long)
+    segment = torch.full((R, L), -1, dtype=torch.long)  # -1 padding, 0 prompt, k+1 response k
+    input_ids[prow, pj], position_ids[prow, pj], segment[prow, pj] = (
+        batch.input_ids[first[prow], pj], pj, 0)
+    input_ids[src_row, col], position_ids[src_row, col], segment[src_row, col] = (
+        target, P + j, member[smp] + 1)
     q, k = segment[:, :, None], segment[:, None, :]
     pos = torch.arange(L)
     causal = pos[None, :, None] >= pos[None, None, :]
     mask = causal & (k != -1) & ((k == 0) | (k == q)) & (q != -1)
     mask |= torch.eye(L, dtype=torch.bool)[None]  # padding attends to itself: no empty row
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Packed(input_ids, position_ids, mask[:, None], as_long(src_row), as_long(src_pos),
-                  as_long(target), as_long(dst_row), as_long(dst_col))
+    return Packed(input_ids, position_ids, mask[:, None], src_row, src_pos, target, dst_row,
+                  dst_col)
 
 
 def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: bool = False):
@@ -102,7 +105,7 @@ def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: boo
         mask = torch.zeros(mask.shape, dtype=model.dtype).masked_fill(
             ~mask, torch.finfo(model.dtype).min)
     logits = model(input_ids=packed.input_ids, attention_mask=mask,
-                   position_ids=packed.position_ids).logits
+                   position_ids=packed.position_ids, use_cache=False).logits  # see token_logprobs
     picked = logits[packed.src_row, packed.src_pos].float().log_softmax(-1)  # (N, V)
     shape = (batch.size, batch.input_ids.shape[1] - 1)
     logp = torch.zeros(shape, dtype=picked.dtype).index_put(
