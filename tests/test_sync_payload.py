@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 
 from rollwise.sync import payload as P
-from rollwise.sync.coding import decode, encode
+from rollwise.sync import coding
 from rollwise.sync.receiver import Receiver
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import GrowingBuffer
@@ -70,9 +70,86 @@ def change(t: torch.Tensor, mask: np.ndarray, rng: np.random.Generator) -> torch
 
 
 def coded_size(old: torch.Tensor, new: torch.Tensor) -> int:
-    a, b = P.bits(old).reshape(-1), P.bits(new).reshape(-1)
-    idx = (a != b).nonzero().squeeze(1)
-    return encode(idx, a[idx], b[idx])[0].numel()
+    mirror = P.bits(old).reshape(-1).clone()
+    return coding.scan(P.bits(new).reshape(-1), mirror, torch.int32, limit=2**40)[1][0].numel()
+
+
+def read_blob(blob: torch.Tensor, head: coding.Coded):
+    """A reference reader of the coded format, vectorised torch (the library's is a numba loop):
+    -> (ascending indices, differences)."""
+    parts, at = [], 0
+    for count, dtype in head.sections():
+        parts.append(blob[at:at + count * dtype.itemsize].view(dtype) if count
+                     else torch.empty(0, dtype=dtype))
+        at += (count * dtype.itemsize + 7) // 8 * 8
+    gap_bytes, packed, long_gaps, small, large = parts
+    gaps = gap_bytes.to(torch.int64)
+    gaps[gaps == 0] = long_gaps.to(torch.int64)
+    codes = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], 1).reshape(-1)[:head.changes]
+    diff = 1 - 2 * codes.to(torch.int64)
+    diff[codes == 2] = small.to(torch.int64)
+    diff[codes == 3] = large.to(torch.int64)
+    return gaps.cumsum(0) - 1, diff
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.uint8, torch.int8, torch.float16, torch.int32]),
+       n=st.integers(1, 3000), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31),
+       gap64=st.booleans())
+def test_delta_coding_round_trips_any_change(dtype, n, density, seed, gap64):
+    """Random bits (every difference size), sparse masks (long gaps): scan codes exactly the
+    changed elements, updates the mirror, and apply rebuilds the new bits from the old."""
+    rng = np.random.default_rng(seed)
+    width = torch.tensor([], dtype=dtype).element_size()
+    raw = lambda: torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
+    old = P.bits(raw())
+    new = old.clone()
+    mask = torch.from_numpy(rng.random(n) < density)
+    mask[rng.integers(0, n)] = bool(rng.integers(0, 2))  # sometimes nothing changes at all
+    nudge = torch.from_numpy(rng.integers(-1, 2, n)).to(old.dtype)
+    new[mask] = torch.where(torch.from_numpy(rng.random(n) < 0.7)[mask], old[mask] + nudge[mask],
+                            P.bits(raw())[mask])
+    mirror = old.clone()
+    changes, coded = coding.scan(new, mirror, torch.int64 if gap64 else torch.int32, 2**40)
+    expected = (old != new).nonzero().squeeze(1)
+    assert changes == expected.numel() and torch.equal(mirror, new)
+    blob, head = coded
+    idx, diff = read_blob(blob, head)
+    assert torch.equal(idx, expected)
+    mod = 2 ** (8 * width)
+    assert ((diff - (new[idx].long() - old[idx].long())) % mod == 0).all()
+    rebuilt = old.clone()
+    coding.apply(rebuilt, blob, head)
+    assert torch.equal(rebuilt, new)
+    # a limit at or below the blob's size reports the count only, with the mirror still updated
+    mirror = old.clone()
+    assert coding.scan(new, mirror, torch.int32, head.nbytes) == (changes, None)
+    assert torch.equal(mirror, new)
+
+
+def test_a_malformed_blob_is_refused_before_any_write():
+    old = torch.arange(0, 4000, dtype=torch.int16)
+    new = old.clone()
+    new[::3] += 1
+    new[7] += 90
+    new[3000] -= 1000
+    blob, head = coding.scan(new, old.clone(), torch.int32, 2**20)[1]
+    assert (head.changes, head.small_diffs, head.large_diffs) == (1335, 1, 1)
+    cases = {  # what the error says: (tensor, blob, header)
+        "past the tensor": (old[:2990].clone(), blob, head),
+        "small differences run out": (old.clone(), blob, coding.Coded(
+            head.changes, head.long_gaps, 0, head.large_diffs, 2, "int32")),
+        "long gaps run out": (old.clone(), blob, coding.Coded(  # reads zero padding as gaps
+            head.changes + 1, head.long_gaps, head.small_diffs, head.large_diffs, 2, "int32")),
+        "left over": (old.clone(), blob, coding.Coded(
+            head.changes, head.long_gaps, head.small_diffs + 1, head.large_diffs, 2, "int32")),
+        "4-byte ones": (old.view(torch.int32).clone(), blob, head),
+    }
+    for why, (target, b, h) in cases.items():
+        before = target.clone()
+        with pytest.raises(ValueError, match=why):
+            coding.apply(target, b, h)
+        assert torch.equal(target, before), why
 
 
 shapes = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
@@ -113,7 +190,7 @@ def test_sparse_payloads_reproduce_the_trainer_bit_for_bit(dtype, shape_list, st
                 assert same_bits(values, w.reshape(-1))
                 assert coded_size(old[name], w) >= w.numel() * w.element_size()
             else:
-                idx, diff = decode(values, entries[name].coded)
+                idx, diff = read_blob(values, entries[name].coded)
                 assert idx.tolist() == expected
                 assert values.numel() < w.numel() * w.element_size()
                 naive = [(int(b[j]) - int(a[j])) % 2**(8 * w.element_size()) for j in expected]

@@ -59,7 +59,7 @@ def test_child_engine_generates_what_the_in_process_engine_generates(tiny, proc)
 
 def test_rl_with_a_child_engine_matches_in_process_exactly(tiny, proc, socket_proc):
     model, tok = tiny
-    runs, wire_bytes = {}, {}
+    runs = {}
     for where in ("inproc", "process", "socket"):
         trainer = Trainer(copy.deepcopy(model), TrainConfig(lr=1e-5, steps=10),
                           pad_id=tok.pad_token_id, seed=0)
@@ -72,20 +72,15 @@ def test_rl_with_a_child_engine_matches_in_process_exactly(tiny, proc, socket_pr
             transport = ProcessTransport(engine)
         sync = WeightSync(trainer, transport, mode="sparse", check=True)
         sync.push()
-        log, wire_bytes[where] = [], []
+        log = []
         for step in range(3):
             groups = rl_groups(engine, tok, seed=100 * step)
             log.append([s.response_ids for g in groups for s in g.samples])
             log.append(trainer.update(groups))
             m = sync.push()
-            # the metadata names its sender by a random id, which compresses by a byte or so
-            # more or less: wire bytes agree to a few bytes, everything else exactly
-            wire_bytes[where].append(m.pop("sync/bytes"))
             log.append({k: v for k, v in m.items() if "seconds" not in k})
         runs[where] = log
     assert runs["inproc"] == runs["process"] == runs["socket"]
-    for where in ("process", "socket"):
-        assert wire_bytes[where] == pytest.approx(wire_bytes["inproc"], abs=8)
     last = runs["process"][-1]
     assert last["sync/sparse"] == 1.0 and 0 < last["sync/density"] < 0.5  # it trained
     assert "train/loss" in runs["process"][-2]

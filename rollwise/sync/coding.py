@@ -15,6 +15,11 @@ smaller than the whole model. Both halves of a pair are mostly redundant:
 About 1.3 bytes per change in bf16 at lr 1e-6 instead of 6. Decoding is exact for any change: the
 difference is taken modulo 2^bits, so a sign flip, a NaN or a fresh value all round-trip.
 
+Both directions are single passes compiled with numba: finding the changes, coding them and
+updating the sender's mirror is one read of the new and the mirror's bits (vectorised torch needs
+a mask, its nonzero, three gathers and a dozen passes over the changes: 3x slower on a 0.5B
+model), and applying a payload touches only the changed elements.
+
 Blob layout (each section padded to 8 bytes so it can be viewed in place):
     [gap bytes: n][2-bit codes: ceil(n / 4)][long gaps: int32 or int64]
     [small differences: int8][large differences: the element's width]
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numba import njit
 
 SHORT_GAP = 256  # gaps 1..255 fit a byte; 0 marks a long one
 CODE_PLUS, CODE_MINUS, CODE_SMALL, CODE_LARGE = 0, 1, 2, 3
@@ -61,90 +68,183 @@ def _pad8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def _wrap(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x modulo 2^(8*width), as a signed value of that width (two's complement)."""
-    half = 1 << (8 * width - 1)
-    return ((x + half) & ((1 << (8 * width)) - 1)) - half
-
-
-def _signed(bits: torch.Tensor) -> torch.Tensor:
-    """Integer view -> the same two's-complement value in a type wide enough for sums of two
-    (int32 for 1- and 2-byte elements, int64 for 4); uint8 views read as signed."""
-    if bits.dtype == torch.uint8:
-        bits = bits.view(torch.int8)
-    return bits.to(torch.int32 if bits.element_size() <= 2 else torch.int64)
-
-
-def encode(idx: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor,
-           gap_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, Coded]:
-    """idx: ascending int64 flat indices of the changed elements; old_bits/new_bits: the
-    integer views of their engine-held and new values; gap_dtype: int64 for tensors past 2^31
-    elements. Returns (uint8 blob, header)."""
-    width = old_bits.element_size()
-    if not codable(width):
-        raise ValueError(f"delta coding supports 1-, 2- and 4-byte elements, not {width}")
-    n = idx.numel()
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
-    short = gaps < SHORT_GAP
-    gap_bytes = torch.where(short, gaps, 0).to(torch.uint8)
-    long_gaps = gaps[~short].to(gap_dtype)
-    diff = _wrap(_signed(new_bits) - _signed(old_bits), width)
-    size = diff.abs()
-    codes = torch.where(size == 1, (diff < 0).to(torch.uint8),
-                        (size >= 128).to(torch.uint8) + CODE_SMALL)
-    small_diffs = diff[codes == CODE_SMALL].to(torch.int8)
-    large_diffs = diff[codes == CODE_LARGE].to(_INT[width])
-    four = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8)
-    four[:n] = codes
-    four = four.view(-1, 4)
-    packed = four[:, 0] | (four[:, 1] << 2) | (four[:, 2] << 4) | (four[:, 3] << 6)
-    head = Coded(n, long_gaps.numel(), small_diffs.numel(), large_diffs.numel(), width,
-                 str(gap_dtype).removeprefix("torch."))
-    blob = torch.zeros(head.nbytes, dtype=torch.uint8)
+def scan(new_bits: torch.Tensor, mirror_bits: torch.Tensor, gap_dtype: torch.dtype,
+         limit: int) -> tuple[int, tuple[torch.Tensor, Coded] | None]:
+    """Code where `new_bits` differs from `mirror_bits` (flat integer views of one tensor, the
+    trainer's and the engine's), and bring the mirror up to date. Returns (elements changed,
+    (uint8 blob, header)), or (elements changed, None) where the blob would take `limit` bytes
+    or more (the caller sends that tensor whole). gap_dtype: int64 past 2^31 elements."""
+    width = mirror_bits.element_size()
+    if not codable(width) or new_bits.dtype != mirror_bits.dtype:
+        raise ValueError(f"delta coding needs two integer views of one 1-, 2- or 4-byte dtype, "
+                         f"got {new_bits.dtype} and {mirror_bits.dtype}")
+    new, mirror = _np(new_bits), _np(mirror_bits)
+    gap_size = gap_dtype.itemsize
+    worst = new.size * (2 + gap_size + width) + 64  # every element changed, long gap, large
+    cap = max(min(int(limit), worst), 8)  # no section holds more entries than the blob bytes
+    gap_bytes, codes = np.empty(cap, np.uint8), np.empty(cap // 4 + 1, np.uint8)
+    long_gaps, small = np.empty(cap // 4 + 1, np.int64), np.empty(cap, np.int8)
+    large = np.empty(cap // width + 1, np.int64)
+    n, fits, n_long, n_small, n_large = _scan(
+        new, mirror, gap_bytes, codes, long_gaps, small, large, cap,
+        1 << (8 * width), gap_size, width)
+    if not fits:
+        return n, None
+    head = Coded(n, n_long, n_small, n_large, width, str(gap_dtype).removeprefix("torch."))
+    if head.nbytes >= limit:  # the sections' padding tipped it over
+        return n, None
+    blob = np.zeros(head.nbytes, np.uint8)
+    parts = (gap_bytes[:n], codes[:(n + 3) // 4], long_gaps[:n_long].astype(gap_dtype_np(head)),
+             small[:n_small], large[:n_large].astype(_INT_NP[width]))
     at = 0
-    for part in (gap_bytes, packed, long_gaps, small_diffs, large_diffs):
-        raw = part.reshape(-1).view(torch.uint8)
-        blob[at:at + raw.numel()] = raw
-        at += _pad8(raw.numel())
-    return blob, head
+    for part in parts:
+        raw = part.view(np.uint8)
+        blob[at:at + raw.size] = raw
+        at += _pad8(raw.size)
+    return n, (torch.from_numpy(blob), head)
 
 
-def decode(blob: torch.Tensor, head: Coded) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (ascending int64 indices, differences modulo 2^bits as in `_signed`'s type)."""
+def apply(flat_bits: torch.Tensor, blob: torch.Tensor, head: Coded) -> None:
+    """Add the coded differences to `flat_bits` (a tensor's flat integer view) in place. The
+    whole blob is checked against its header and the tensor first, so a malformed one raises
+    ValueError and leaves the tensor untouched."""
     if blob.numel() < head.nbytes:
         raise ValueError(f"coded blob holds {blob.numel()} bytes, its header says {head.nbytes}")
-    parts, at = [], 0
+    if flat_bits.element_size() != head.width:
+        raise ValueError(f"coded for {head.width}-byte elements, the tensor has "
+                         f"{flat_bits.element_size()}-byte ones")
+    raw, parts, at = _np(blob), [], 0
     for count, dtype in head.sections():
-        raw = blob[at:at + count * dtype.itemsize]
-        parts.append(raw.view(dtype) if count else torch.empty(0, dtype=dtype, device=blob.device))
-        at += _pad8(count * dtype.itemsize)
-    gap_bytes, packed, long_gaps, small_diffs, large_diffs = parts
-    gaps = gap_bytes.to(torch.int64)
-    escaped = gaps == 0
-    if int(escaped.sum()) != head.long_gaps:
-        raise ValueError(f"coded blob has {int(escaped.sum())} long-gap marks, its header says "
-                         f"{head.long_gaps}")
-    gaps[escaped] = long_gaps.to(torch.int64)
-    idx = gaps.cumsum(0) - 1
-    codes = torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6],
-                        1).reshape(-1)[: head.changes]
-    diff = 1 - 2 * codes.to(torch.int32 if head.width <= 2 else torch.int64)  # +1 / -1 codes
-    for code, values in ((CODE_SMALL, small_diffs), (CODE_LARGE, large_diffs)):
-        where = codes == code
-        if int(where.sum()) != values.numel():
-            raise ValueError(f"coded blob has {int(where.sum())} differences of code {code}, "
-                             f"its header says {values.numel()}")
-        diff[where] = values.to(diff.dtype)
-    return idx, diff
+        size = count * dtype.itemsize
+        parts.append(raw[at:at + size].view(_NP[dtype]))
+        at += _pad8(size)
+    status, where = _apply(_np(flat_bits), *parts, head.changes)
+    if status:
+        raise ValueError(_ERRORS[status].format(where=where, numel=flat_bits.numel()))
 
 
-def apply(flat_bits: torch.Tensor, idx: torch.Tensor, diff: torch.Tensor) -> None:
-    """flat_bits[idx] += diff, modulo 2^bits, in place (flat_bits: a tensor's integer view)."""
-    if idx.numel() and int(idx[-1]) >= flat_bits.numel():
-        raise ValueError(f"coded index {int(idx[-1])} is past the tensor's "
-                         f"{flat_bits.numel()} elements")
-    width = flat_bits.element_size()
-    new = _wrap(_signed(flat_bits.index_select(0, idx)) + diff, width)
-    if flat_bits.dtype == torch.uint8:
-        new = new & 0xFF
-    flat_bits.index_copy_(0, idx, new.to(flat_bits.dtype))
+_NP = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+       torch.int64: np.int64}
+_INT_NP = {w: _NP[t] for w, t in _INT.items()}
+_ERRORS = {
+    1: "coded index {where} is past the tensor's {numel} elements",
+    2: "coded blob's long gaps run out at change {where} (its header has too few)",
+    3: "coded blob's small differences run out at change {where}",
+    4: "coded blob's large differences run out at change {where}",
+    5: "coded blob has a long gap of {where}: gaps must be positive",
+    6: "coded blob has {where} sections' entries left over: its header does not match it",
+}
+
+
+def gap_dtype_np(head: Coded):
+    return np.int32 if head.gap_dtype == "int32" else np.int64
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view of a contiguous CPU tensor (uint8 stays unsigned: numba wraps either
+    way on store)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("delta coding runs on contiguous CPU tensors")
+    return t.reshape(-1).numpy()
+
+
+@njit(cache=True, nogil=True)
+def _scan(new, mirror, gap_bytes, codes, long_gaps, small, large, cap, mod, gap_size, width):
+    half = mod // 2
+    n = n_long = n_small = n_large = 0
+    size, prev, byte, fits = 0, -1, 0, True
+    for i in range(new.shape[0]):
+        b, a = new[i], mirror[i]
+        if a == b:
+            continue
+        mirror[i] = b
+        n += 1
+        if not fits:  # past the limit: only count (and update the mirror)
+            continue
+        gap = i - prev
+        prev = i
+        if gap < SHORT_GAP:
+            gap_bytes[n - 1] = gap
+        else:
+            gap_bytes[n - 1] = 0
+            long_gaps[n_long] = gap
+            n_long += 1
+            size += gap_size
+        d = (np.int64(b) - np.int64(a)) % mod  # the difference modulo 2^bits, then signed
+        if d >= half:
+            d -= mod
+        if d == 1:
+            code = CODE_PLUS
+        elif d == -1:
+            code = CODE_MINUS
+        elif -128 <= d < 128:
+            code = CODE_SMALL
+            small[n_small] = d
+            n_small += 1
+            size += 1
+        else:
+            code = CODE_LARGE
+            large[n_large] = d
+            n_large += 1
+            size += width
+        slot = (n - 1) & 3
+        byte |= code << (2 * slot)
+        size += 1 + (slot == 0)  # the gap byte, and a new code byte every fourth change
+        if slot == 3:
+            codes[(n - 1) >> 2] = byte
+            byte = 0
+        fits = size < cap
+    if fits and n & 3:
+        codes[(n - 1) >> 2] = byte
+    return n, fits, n_long, n_small, n_large
+
+
+@njit(cache=True, nogil=True)
+def _apply(flat, gap_bytes, codes, long_gaps, small, large, n):
+    # first pass: check everything, write nothing
+    pos, n_long, n_small, n_large = -1, 0, 0, 0
+    for k in range(n):
+        gap = np.int64(gap_bytes[k])
+        if gap == 0:
+            if n_long >= long_gaps.shape[0]:
+                return 2, k
+            gap = np.int64(long_gaps[n_long])
+            n_long += 1
+            if gap <= 0:
+                return 5, gap
+        pos += gap
+        if pos >= flat.shape[0]:
+            return 1, pos
+        code = (codes[k >> 2] >> (2 * (k & 3))) & 3
+        if code == CODE_SMALL:
+            n_small += 1
+            if n_small > small.shape[0]:
+                return 3, k
+        elif code == CODE_LARGE:
+            n_large += 1
+            if n_large > large.shape[0]:
+                return 4, k
+    left = (long_gaps.shape[0] - n_long) + (small.shape[0] - n_small) + (large.shape[0] - n_large)
+    if left:
+        return 6, left
+    # second pass: write (a store into the tensor's integer type wraps modulo 2^bits)
+    pos, n_long, n_small, n_large = -1, 0, 0, 0
+    for k in range(n):
+        gap = np.int64(gap_bytes[k])
+        if gap == 0:
+            gap = np.int64(long_gaps[n_long])
+            n_long += 1
+        pos += gap
+        code = (codes[k >> 2] >> (2 * (k & 3))) & 3
+        if code == CODE_PLUS:
+            d = np.int64(1)
+        elif code == CODE_MINUS:
+            d = np.int64(-1)
+        elif code == CODE_SMALL:
+            d = np.int64(small[n_small])
+            n_small += 1
+        else:
+            d = np.int64(large[n_large])
+            n_large += 1
+        flat[pos] = flat[pos] + d
+    return 0, 0

@@ -227,16 +227,20 @@ def entry_views(meta: PayloadMeta, arena: torch.Tensor):
 def pack_meta(meta: PayloadMeta) -> bytes:
     """The metadata as it crosses a process boundary: pickled, then compressed (tensor names
     repeat their prefixes; at RL densities the metadata is ~15 % of a small model's payload).
-    The sender's timings stay behind: the receiver has no use for them, and leaving them out
-    keeps the byte count a function of the weights alone."""
-    return zlib.compress(pickle.dumps(replace(meta, seconds={})), 1)
+    The random sender id and the digests travel beside the compressed part, so the byte count
+    depends on the weights alone and a rerun with the same seed counts the same bytes; the
+    sender's timings stay behind (the receiver has no use for them)."""
+    names = (meta.sender, meta.digest, meta.base_digest)
+    rest = replace(meta, sender="", digest="", base_digest=None, seconds={})
+    return pickle.dumps((names, zlib.compress(pickle.dumps(rest), 1)))
 
 
 def unpack_meta(data: bytes) -> PayloadMeta:
-    meta = pickle.loads(zlib.decompress(data))
+    (sender, digest, base_digest), body = pickle.loads(data)
+    meta = pickle.loads(zlib.decompress(body))
     if not isinstance(meta, PayloadMeta):
         raise TypeError(f"expected payload metadata, got {type(meta).__name__}")
-    return meta
+    return replace(meta, sender=sender, digest=digest, base_digest=base_digest)
 
 
 def sparse_wins(count: int, numel: int, value_size: int, idx_size: int) -> bool:

@@ -59,7 +59,7 @@ class Receiver:
                 for name, (values, indices) in entry_views(meta, arena).items():
                     flat = own[name].view(-1)
                     if name in coded:
-                        coding.apply(bits(flat), *coding.decode(values, coded[name]))
+                        coding.apply(bits(flat), values, coded[name])
                     elif indices is None:
                         flat.copy_(values)
                     else:
