@@ -32,11 +32,12 @@ def random_samples(seed: int, prompts: int = 5, vocab=(3, 50)) -> list[Sample]:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("cap", [2048, 10])
-def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap):
+@pytest.mark.parametrize("fill", [False, True])
+def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap, fill):
     model, tok = tiny
     samples = random_samples(seed)
     batch = Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
-    packed = pack(batch, max_row_tokens=cap)
+    packed = pack(batch, max_row_tokens=cap, fill=fill)
     assert packed.input_ids.shape[1] <= max(cap, int(batch.attention_mask.sum(1).max()))
     with torch.no_grad():
         ref_lp, ref_ent = token_logprobs(model, batch)
@@ -46,7 +47,7 @@ def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap):
     assert (lp[m] - ref_lp[m]).abs().max() < 1e-5
     assert (ent[m] - ref_ent[m]).abs().max() < 1e-5
     assert (lp[~m] == 0).all()
-    if cap == 2048:  # one row per distinct prompt: the prompt is computed once
+    if cap == 2048 and not fill:  # one row per distinct prompt: the prompt is computed once
         assert packed.input_ids.shape[0] == len({tuple(s.prompt_ids) for s in samples})
         assert packed.tokens < batch.input_ids.numel()
 
@@ -59,7 +60,8 @@ def test_packed_gradient_equals_the_padded_gradient(tiny):
     grads = []
     for packed in (False, True):
         m = copy.deepcopy(model)
-        lp, ent = (packed_token_logprobs(m, batch, pack(batch), entropy_grad=True) if packed
+        lp, ent = (packed_token_logprobs(m, batch, pack(batch, fill=True), entropy_grad=True)
+                   if packed
                    else token_logprobs(m, batch, entropy_grad=True))
         ((lp + 0.1 * ent) * weights * batch.loss_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))

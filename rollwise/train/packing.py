@@ -42,9 +42,11 @@ class Packed:
         return self.input_ids.numel()
 
 
-def pack(batch: Batch, max_row_tokens: int = 2048) -> Packed:
+def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed:
     """Rows of one prompt and as many of its responses as fit in max_row_tokens (at least one).
-    Samples share a row when their prompt token ids are equal, whatever their group."""
+    Samples share a row when their prompt token ids are equal, whatever their group. With
+    fill, these blocks are then placed first-fit-decreasing into rows as long as the longest
+    block, several per row, so that fewer padding tokens go through the model."""
     att, plen = batch.attention_mask.sum(1), batch.prompt_lens
     ids, n_resp = batch.input_ids.tolist(), (att - plen).tolist()
     row, off, member = [0] * batch.size, [0] * batch.size, [0] * batch.size  # per sample
@@ -67,31 +69,49 @@ def pack(batch: Batch, max_row_tokens: int = 2048) -> Packed:
     # Laid out with tensor ops. The response targets keep the order row, sample, token: the
     # first tokens of a row's responses share one predicting position, whose gradient sums
     # them in this order.
-    row, off, member = (torch.tensor(x, dtype=torch.long) for x in (row, off, member))
+    nblk = len(first)
+    place = [(b, 0) for b in range(nblk)]  # block -> (row, offset in the row)
+    if fill:
+        ends: list[int] = []
+        for b in sorted(range(nblk), key=lambda b: -used[b]):
+            r = next((r for r, e in enumerate(ends) if e + used[b] <= max(used)), len(ends))
+            if r == len(ends):
+                ends.append(0)
+            place[b] = (r, ends[r])
+            ends[r] += used[b]
+    blk_row = torch.tensor([r for r, _ in place], dtype=torch.long)
+    blk_off = torch.tensor([o for _, o in place], dtype=torch.long)
+    R, L = int(blk_row.max()) + 1, max(used)
+    stride = max(count) + 1  # segment ids: block * stride (prompt), + k + 1 (response k)
+    blk = torch.tensor(row, dtype=torch.long)
+    row = blk_row[blk]
+    off = torch.tensor(off, dtype=torch.long) + blk_off[blk]
+    member = torch.tensor(member, dtype=torch.long) + blk * stride
     first = torch.tensor(first, dtype=torch.long)
-    R, L = len(first), max(used)
-    order = torch.argsort(row, stable=True)  # samples by row, in sample order within a row
+    order = torch.argsort(blk, stable=True)  # samples by block, in sample order within one
     n = (att - plen)[order]
     smp = order.repeat_interleave(n)  # per response token: its sample,
     j = _ranges(n)  # its index in the response,
     P = plen[smp]
     dst_row, dst_col = smp, P - 1 + j  # (the Batch's target column)
     src_row, col = row[smp], off[smp] + j  # and where it sits in the packed rows
-    src_pos = torch.where(j == 0, P - 1, col - 1)  # j = 0: the prompt's last position
+    src_pos = torch.where(j == 0, blk_off[blk[smp]] + P - 1, col - 1)  # j = 0: prompt's last
     target = batch.input_ids[smp, P + j]
-    prow = torch.arange(R).repeat_interleave(plen[first])  # per prompt token: its row,
+    pblk = torch.arange(nblk).repeat_interleave(plen[first])  # per prompt token: its block,
     pj = _ranges(plen[first])  # its position
+    prow, pcol = blk_row[pblk], blk_off[pblk] + pj
     input_ids = torch.zeros((R, L), dtype=torch.long)
     position_ids = torch.zeros((R, L), dtype=torch.long)
     segment = torch.full((R, L), -1, dtype=torch.long)  # -1 padding, 0 prompt, k+1 response k
-    input_ids[prow, pj], position_ids[prow, pj], segment[prow, pj] = (
-        batch.input_ids[first[prow], pj], pj, 0)
+    input_ids[prow, pcol], position_ids[prow, pcol], segment[prow, pcol] = (
+        batch.input_ids[first[pblk], pj], pj, pblk * stride)
     input_ids[src_row, col], position_ids[src_row, col], segment[src_row, col] = (
         target, P + j, member[smp] + 1)
     q, k = segment[:, :, None], segment[:, None, :]
     pos = torch.arange(L)
     causal = pos[None, :, None] >= pos[None, None, :]
-    mask = causal & (k != -1) & ((k == 0) | (k == q)) & (q != -1)
+    prompt_of_q = q - q % stride  # the segment of the query's block prompt
+    mask = causal & (k != -1) & ((k == prompt_of_q) | (k == q)) & (q != -1)
     mask |= torch.eye(L, dtype=torch.bool)[None]  # padding attends to itself: no empty row
     return Packed(input_ids, position_ids, mask[:, None], src_row, src_pos, target, dst_row,
                   dst_col)

@@ -144,7 +144,7 @@ class Trainer:
     def logprobs(self, model, batch: Batch, entropy_grad: bool = False):
         """token_logprobs, through shared-prompt packing where it is on and saves tokens."""
         if self._pack and batch.prompt_lens is not None:
-            packed = pack(batch)
+            packed = pack(batch, fill=True)
             if worth_packing(batch, packed):
                 out = packed_token_logprobs(model, batch, packed, entropy_grad)
                 if self._pack_checked or self._packing_agrees(model, batch, out[0]):
