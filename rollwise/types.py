@@ -131,11 +131,11 @@ class Batch:
         rows = torch.arange(B)
         input_ids = torch.full((B, T), pad_id, dtype=torch.long)
         seq_rows = rows.repeat_interleave(P + N)
-        input_ids[seq_rows, _ranges(P + N)] = torch.tensor(
+        input_ids[seq_rows, concat_ranges(P + N)] = torch.tensor(
             [t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.long)
         attention = (torch.arange(T)[None] < (P + N)[:, None]).long()
         # response token j sits at position p+j and is predicted from column p+j-1
-        at = (rows.repeat_interleave(N), (P - 1).repeat_interleave(N) + _ranges(N))
+        at = (rows.repeat_interleave(N), (P - 1).repeat_interleave(N) + concat_ranges(N))
 
         def column(values: list, dtype, fill=0, where=at) -> torch.Tensor:
             if len(values) != len(where[0]):
@@ -167,7 +167,7 @@ class Batch:
                      None if self.prompt_lens is None else self.prompt_lens[idx])
 
 
-def _ranges(n: torch.Tensor) -> torch.Tensor:
+def concat_ranges(n: torch.Tensor) -> torch.Tensor:
     """0..n[0]-1, 0..n[1]-1, ... concatenated."""
     starts = torch.cumsum(n, 0) - n
     return torch.arange(int(n.sum())) - starts.repeat_interleave(n)

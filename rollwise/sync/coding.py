@@ -94,7 +94,7 @@ def scan(new_bits: torch.Tensor, mirror_bits: torch.Tensor, gap_dtype: torch.dty
     if head.nbytes >= limit:  # the sections' padding tipped it over
         return n, None
     blob = np.zeros(head.nbytes, np.uint8)
-    parts = (gap_bytes[:n], codes[:(n + 3) // 4], long_gaps[:n_long].astype(gap_dtype_np(head)),
+    parts = (gap_bytes[:n], codes[:(n + 3) // 4], long_gaps[:n_long].astype(_NP[gap_dtype]),
              small[:n_small], large[:n_large].astype(_INT_NP[width]))
     at = 0
     for part in parts:
@@ -134,10 +134,6 @@ _ERRORS = {
     5: "coded blob has a long gap of {where}: gaps must be positive",
     6: "coded blob has {where} sections' entries left over: its header does not match it",
 }
-
-
-def gap_dtype_np(head: Coded):
-    return np.int32 if head.gap_dtype == "int32" else np.int64
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

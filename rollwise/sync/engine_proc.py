@@ -39,6 +39,9 @@ def _unwire(w) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=to_dtype(dtype)).reshape(shape)
 
 
+WIRES = {"process": "shm", "socket": "socket"}  # sync.transport -> EngineProcess(wire=...)
+
+
 class EngineProcess:
     """The built-in Engine, hosted in a child process. Exposes `generate`, `version`,
     `tokens_generated`, `load_weights` and `call(method, ...)` for any other engine method.
@@ -287,9 +290,8 @@ def build_engine(cfg, model, *, pad_id: int):
     from rollwise.engine import Engine
     kwargs = dict(pad_id=pad_id, max_batch=cfg.engine.max_batch, seed=cfg.run.seed)
     dtype = None if cfg.sync.engine_dtype == "same" else to_dtype(cfg.sync.engine_dtype)
-    if cfg.sync.transport in ("process", "socket"):
-        return EngineProcess(model, dtype=dtype, wire="socket" if cfg.sync.transport == "socket"
-                             else "shm", **kwargs)
+    if cfg.sync.transport in WIRES:
+        return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport], **kwargs)
     engine = Engine(model, **kwargs)
     if dtype is not None:
         engine.model.to(dtype)

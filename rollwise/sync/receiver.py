@@ -18,8 +18,8 @@ import torch
 
 from rollwise.sync.errors import ChecksumError, CorruptPayloadError, StaleEngineError, SyncError
 from rollwise.sync import coding
-from rollwise.sync.payload import (PayloadMeta, bits, TensorSpec, checksum, dtype_name, entry_views,
-                                   plan, Item, specs, unique_tensors)
+from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, dtype_name,
+                                   entry_views, plan, specs, unique_tensors)
 
 
 @dataclass

@@ -159,8 +159,9 @@ class Sender:
 
     def _changed(self, new: torch.Tensor, mirror: torch.Tensor):
         """(flat int64 indices, ascending, where the stored bits differ; the new bits there).
-        Compared 8 bytes at a time first (4 bf16 per word): at RL densities most words are equal, so the element-wise work runs only on the few words
-        that differ (2-3x faster on CPU at ~1% density), and the bits come from those words."""
+        Compared 8 bytes at a time first (4 bf16 per word): at RL densities most words are
+        equal, so the element-wise work runs only on the few words that differ (2-3x faster on
+        CPU at ~1% density), and the bits come from those words."""
         per = 8 // new.element_size()
         if per > 1 and new.numel() % per == 0:
             try:

@@ -115,9 +115,9 @@ def check_same_tensors(trainer_spec, engine_spec) -> None:
 def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
     """The weight sync `cfg` asks for between this trainer and this engine (an in-process
     `Engine` or an `EngineProcess`, see `build_engine`)."""
-    from rollwise.sync.engine_proc import EngineProcess
+    from rollwise.sync.engine_proc import WIRES, EngineProcess
     in_child = isinstance(engine, EngineProcess)
-    wire = {"process": "shm", "socket": "socket"}.get(cfg.transport)
+    wire = WIRES.get(cfg.transport)
     if in_child != (wire is not None) or (in_child and engine.wire != wire):
         where = (f"a child process (wire {engine.wire})" if in_child else "this process")
         raise ValueError(f"sync.transport={cfg.transport} but the engine lives in {where}; "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.types import Batch, _ranges
+from rollwise.types import Batch, concat_ranges
 
 
 @dataclass
@@ -73,8 +73,9 @@ def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed
     place = [(b, 0) for b in range(nblk)]  # block -> (row, offset in the row)
     if fill:
         ends: list[int] = []
+        longest = max(used)
         for b in sorted(range(nblk), key=lambda b: -used[b]):
-            r = next((r for r, e in enumerate(ends) if e + used[b] <= max(used)), len(ends))
+            r = next((r for r, e in enumerate(ends) if e + used[b] <= longest), len(ends))
             if r == len(ends):
                 ends.append(0)
             place[b] = (r, ends[r])
@@ -91,18 +92,18 @@ def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed
     order = torch.argsort(blk, stable=True)  # samples by block, in sample order within one
     n = (att - plen)[order]
     smp = order.repeat_interleave(n)  # per response token: its sample,
-    j = _ranges(n)  # its index in the response,
+    j = concat_ranges(n)  # its index in the response,
     P = plen[smp]
     dst_row, dst_col = smp, P - 1 + j  # (the Batch's target column)
     src_row, col = row[smp], off[smp] + j  # and where it sits in the packed rows
     src_pos = torch.where(j == 0, blk_off[blk[smp]] + P - 1, col - 1)  # j = 0: prompt's last
     target = batch.input_ids[smp, P + j]
     pblk = torch.arange(nblk).repeat_interleave(plen[first])  # per prompt token: its block,
-    pj = _ranges(plen[first])  # its position
+    pj = concat_ranges(plen[first])  # its position
     prow, pcol = blk_row[pblk], blk_off[pblk] + pj
     input_ids = torch.zeros((R, L), dtype=torch.long)
     position_ids = torch.zeros((R, L), dtype=torch.long)
-    segment = torch.full((R, L), -1, dtype=torch.long)  # -1 padding, 0 prompt, k+1 response k
+    segment = torch.full((R, L), -1, dtype=torch.long)  # -1 padding, else as `stride` says
     input_ids[prow, pcol], position_ids[prow, pcol], segment[prow, pcol] = (
         batch.input_ids[first[pblk], pj], pj, pblk * stride)
     input_ids[src_row, col], position_ids[src_row, col], segment[src_row, col] = (
