@@ -103,11 +103,15 @@ def test_on_policy_at_staleness_zero_corrected_equals_uncorrected(tiny, loss, op
         results.append((m, grads, metrics))
     (m0, g0, s0), (m1, g1, s1) = results
     assert len(g0) == len(g1) == 2 and any(g.abs().sum() > 0 for g in g0[0])
-    for a, b in zip(g0, g1):
+    # equal up to float rounding: the first minibatch's old log-probs come from its own pass
+    # with gradient, whose kernels round differently from the no-grad pass behind mu; Adam at
+    # lr 1e-2 magnifies that on the second step (a wrong weight would move O(1), not 1e-4)
+    for step, (a, b) in enumerate(zip(g0, g1)):
         for p, q in zip(a, b):
-            assert torch.equal(p, q)
-    assert params_equal(m0, m1)
-    assert s1["train/loss"] == s0["train/loss"]
+            rel = float((p - q).abs().max() / p.abs().max().clamp_min(1e-12))
+            assert rel <= (1e-5 if step == 0 else 1e-3), (step, rel)
+    assert params_equal(m0, m1, atol=1e-4)
+    assert s1["train/loss"] == pytest.approx(s0["train/loss"], rel=1e-4, abs=1e-8)
     assert s1["train/correction/ess_frac"] == pytest.approx(1.0)
     assert s1["train/lr_scale"] == 1.0
     assert sum(v for k, v in s1.items() if k.startswith("train/dropped_tokens/")) == 0

@@ -238,8 +238,13 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tiny, loss, agg):
     for a, b in zip(*grads):
         assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-6 * a.abs().max()
     assert (params[0] - params[1]).abs().max() <= 1e-6
-    # the no-grad pass sees all 16 rows both times; the training passes 16 vs the 8 that move
-    assert rows == [16 + 16, 16 + 8]
+    # every row passes once for the old log-probs; the first minibatch's training rows take
+    # that pass with gradient and reuse it, so only the second minibatch's pass is extra:
+    # its 8 rows unskipped, its moving rows skipped
+    second = torch.randperm(16, generator=torch.Generator().manual_seed(1 * 100003)).chunk(2)[1]
+    moving_second = sum(1 for i in second.tolist() if i // 4 not in (1, 3))
+    assert 0 < moving_second < 8
+    assert rows == [16 + 8, 16 + moving_second]
 
 
 def test_a_step_with_no_moving_row_still_steps_adamw_like_a_zero_gradient(tiny):
@@ -262,7 +267,8 @@ def test_a_step_with_no_moving_row_still_steps_adamw_like_a_zero_gradient(tiny):
         assert (after - before).abs().max() > 0  # momentum moved them
         out.append((after, sum(through)))
     assert torch.equal(out[0][0], out[1][0])
-    assert out[0][1] == 16 and out[1][1] == 8  # the skip ran only the no-grad pass
+    # one pass per row both times: unskipped, the old log-probs' pass is the training pass
+    assert out[0][1] == 8 and out[1][1] == 8
 
 
 def test_zero_advantage_rows_are_not_skipped_when_a_term_needs_them(tiny):
@@ -277,3 +283,38 @@ def test_zero_advantage_rows_are_not_skipped_when_a_term_needs_them(tiny):
         through = _rows_through_model(trainer)
         trainer.update(clone(groups))
         assert through[-1] == 8, extra  # the training pass saw every row
+
+
+def test_the_first_step_reuses_the_old_logprob_pass_and_keeps_its_gradient(tiny, groups):
+    """An update's first optimizer step runs on the weights the old log-probs are taken
+    with, so one pass with gradient serves both on that minibatch's rows: the gradients
+    equal those of separate passes up to float rounding, with fewer rows through the model."""
+    model, tok = tiny
+    grads, rows = [], []
+    for reuse in (False, True):
+        cfg = TrainConfig(minibatches=2, lr=1e-3, pack_prompts=False)
+        trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=2)
+        if not reuse:
+            trainer._first_rows = lambda groups, idx: None
+        seen, through = capture_grads(trainer), _rows_through_model(trainer)
+        m = trainer.update(clone(groups))
+        assert m["train/tokens"] > 0
+        grads.append([torch.cat([g.flatten() for g in step]) for step in seen])
+        rows.append(sum(through))
+    assert len(grads[0]) == len(grads[1]) == 2
+    for step, (a, b) in enumerate(zip(*grads)):
+        assert a.abs().max() > 0
+        assert (a - b).abs().max() <= (1e-5 if step == 0 else 1e-4) * a.abs().max()
+    assert rows[1] < rows[0] == 8 + 8  # separate: 8 old-log-prob rows + the moving ones
+
+
+def test_a_kept_first_pass_is_used_by_the_first_step_only(tiny, groups):
+    """Prepared.first is consumed by the first optimizer step, even one that is skipped."""
+    model, tok = tiny
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=2), pad_id=tok.pad_token_id)
+    prep, _ = trainer.prepare(clone(groups), first=torch.tensor([0, 1]))
+    assert prep.first is not None and prep.first[1].requires_grad
+    assert torch.equal(prep.first[1].detach(), prep.anchor[:2, :prep.first[1].shape[1]])
+    prep.mask[:] = 0  # nothing to train: the step is skipped
+    trainer._optimizer_step(prep, torch.tensor([0, 1]))
+    assert prep.first is None

@@ -52,6 +52,9 @@ class Prepared:
     ref: torch.Tensor | None  # (B, T-1) reference log-probs for the KL loss term
     seq_log_w: torch.Tensor  # (B,) log pi_prox/mu summed over each sequence's kept tokens
     norm_length: int
+    # (rows, logp, entropy) of the first minibatch's moving rows, from a pass with gradient
+    # taken before the update: the first optimizer step reuses it instead of a second forward
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, idx: torch.Tensor, T: int) -> dict[str, torch.Tensor | None]:
         cut = lambda x: None if x is None else x[idx][:, :T]  # noqa: E731
@@ -182,14 +185,53 @@ class Trainer:
         metrics[f"dropped_tokens/{reason}"] = float((mask - new).sum())
         return new
 
+    def _first_rows(self, groups: list[Group], idx: torch.Tensor) -> torch.Tensor | None:
+        """The rows of the first minibatch idx that the first optimizer step will forward,
+        when they are known before the old log-probs are (None: take no shortcut). The weights
+        have not moved yet, so these rows' old log-probs are that step's own, detached."""
+        cfg = self.cfg
+        if self.ref_model is not None and cfg.kl_mode == "reward":
+            return None  # the advantages, hence the moving rows, need the old log-probs
+        if cfg.micro_batch_size and cfg.micro_batch_size < len(idx):
+            return None  # holding every micro-batch's graph would defeat micro-batching
+        if not self._skips_zero_advantage():
+            return idx
+        if cfg.token_shaping != "none":
+            return None  # shaping may move a zero-advantage row's tokens
+        samples = [s for g in groups for s in g.samples]
+        adv = compute_advantages(cfg.advantage, self.advantage_inputs(groups, self.rewards(samples)),
+                                 cfg.advantage_clip).advantages
+        return idx[adv[idx] != 0]
+
+    def _old_logprobs(self, batch: Batch, first: torch.Tensor | None):
+        """(prox, entropy, Prepared.first): the policy before the update on every row, the
+        rows `first` through a pass that keeps its graph for the first optimizer step."""
+        if first is None or len(first) == 0:
+            return (*self.logprobs(self.model, batch), None)
+        B, W = batch.size, batch.loss_mask.shape[1]
+        prox, ent = torch.zeros(B, W), torch.zeros(B, W)
+        with torch.enable_grad():
+            logp, e = self.logprobs(self.model, batch.select(first),
+                                    entropy_grad=self.cfg.entropy_coef > 0)
+        prox[first, :logp.shape[1]], ent[first, :e.shape[1]] = logp.detach(), e.detach()
+        rest = torch.ones(B, dtype=torch.bool)
+        rest[first] = False
+        rest = rest.nonzero().squeeze(-1)
+        if len(rest):
+            lp, er = self.logprobs(self.model, batch.select(rest))
+            prox[rest, :lp.shape[1]], ent[rest, :er.shape[1]] = lp, er
+        return prox, ent, (first, logp, e)
+
     @torch.no_grad()
-    def prepare(self, groups: list[Group]) -> tuple[Prepared, dict[str, float]]:
-        """Old/reference/version log-probs, advantages, masks and weights for one update."""
+    def prepare(self, groups: list[Group], first: torch.Tensor | None = None
+                ) -> tuple[Prepared, dict[str, float]]:
+        """Old/reference/version log-probs, advantages, masks and weights for one update.
+        first: rows whose pass with gradient is taken now and kept (see _first_rows)."""
         cfg, m = self.cfg, {}
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
-        prox, ent = self.logprobs(self.model, batch)
+        prox, ent, first_pass = self._old_logprobs(batch, first)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
@@ -213,7 +255,8 @@ class Trainer:
         token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
-        return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm), m
+        return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm,
+                        first_pass), m
 
     def _correct(self, batch: Batch, prox, version_logp, known, mask, m):
         """Staleness limit, anchor choice and TIS/MIS weights -> (anchor, weights, mask),
@@ -248,15 +291,16 @@ class Trainer:
         if not groups:
             self._step_schedule()
             return metrics
-        prep, m = self.prepare(groups)
-        metrics.update({f"train/{k}": v for k, v in m.items()})
-        batch = prep.batch
+        size = sum(len(g.samples) for g in groups)
         gen = torch.Generator().manual_seed(self.seed * 100003 + self.version)
+        orders = [torch.randperm(size, generator=gen) for _ in range(self.cfg.epochs)]
+        n_chunks = min(self.cfg.minibatches, size)
+        prep, m = self.prepare(groups, self._first_rows(groups, orders[0].chunk(n_chunks)[0]))
+        metrics.update({f"train/{k}": v for k, v in m.items()})
         sums: dict[str, float] = {}
         n_mb = 0
-        for _ in range(self.cfg.epochs):
-            order = torch.randperm(batch.size, generator=gen)
-            for idx in order.chunk(min(self.cfg.minibatches, batch.size)):
+        for order in orders:
+            for idx in order.chunk(n_chunks):
                 mb_metrics = self._optimizer_step(prep, idx)
                 for k, v in mb_metrics.items():
                     sums[k] = _combine(k, sums.get(k), v)
@@ -272,6 +316,7 @@ class Trainer:
         """One optimizer step on rows idx, accumulating gradients over micro-batches. The
         aggregation divides by the whole minibatch's token and sequence counts, so the
         accumulated gradient equals the one of a single pass over the minibatch."""
+        first, prep.first = prep.first, None  # only the update's first step has one
         mask = prep.mask[idx]
         num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
         if num_tokens == 0:  # everything was dropped: no step (Adam would still move)
@@ -280,11 +325,18 @@ class Trainer:
         size = self.cfg.micro_batch_size or len(idx)
         acc: dict[str, float] = {}
         total, counted = 0.0, 0.0
-        for micro in self._rows_with_gradient(prep, idx).split(size):
+        moving = self._rows_with_gradient(prep, idx)
+        micros = moving.split(size)
+        if first is not None:  # its pass was taken along with the old log-probs
+            if not torch.isin(moving, first[0]).all():
+                raise RuntimeError("trainer: the kept first pass misses a moving row")
+            micros = (first[0],)  # its other rows are masked out: they add nothing
+        for micro in micros:
             n = float(prep.mask[micro].sum())
             if n == 0:
                 continue
-            loss, m = self._micro_loss(prep, micro, num_tokens, num_seqs)
+            loss, m = self._micro_loss(prep, micro, num_tokens, num_seqs,
+                                       first[1:] if first is not None else None)
             loss.backward()
             total += loss.item()  # micro-batch losses sum to the minibatch loss
             counted += n
@@ -307,13 +359,17 @@ class Trainer:
         out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)
         return out
 
+    def _skips_zero_advantage(self) -> bool:
+        cfg = self.cfg
+        return (cfg.skip_zero_advantage and cfg.loss in ZERO_AT_ZERO_ADVANTAGE
+                and cfg.entropy_coef == 0
+                and not (self.ref_model is not None and cfg.kl_mode == "loss"))
+
     def _rows_with_gradient(self, prep: Prepared, idx: torch.Tensor) -> torch.Tensor:
         """The rows of idx whose loss can move the weights (see train.skip_zero_advantage).
         Skipped rows change no metric but the clip fractions and ratio statistics, which are
         then over tokens with a nonzero advantage."""
-        cfg = self.cfg
-        if (not cfg.skip_zero_advantage or cfg.loss not in ZERO_AT_ZERO_ADVANTAGE
-                or cfg.entropy_coef > 0 or (self.ref_model is not None and cfg.kl_mode == "loss")):
+        if not self._skips_zero_advantage():
             return idx
         moving = ((prep.token_adv[idx] != 0) & (prep.mask[idx] > 0)).any(-1)
         return idx[moving]
@@ -325,12 +381,13 @@ class Trainer:
         ess = corr.effective_sample_size(seq_log_w[live])
         return corr.vcpo_lr_scale(ess / max(int(live.sum()), 1), self.cfg.correction.vcpo_rho0)
 
-    def _micro_loss(self, prep: Prepared, micro, num_tokens, num_seqs):
+    def _micro_loss(self, prep: Prepared, micro, num_tokens, num_seqs, taken=None):
+        """taken: this micro-batch's (logp, entropy), when its pass was already taken."""
         cfg = self.cfg
         mb = prep.batch.select(micro)
         c = prep.rows(micro, mb.loss_mask.shape[1])
         mask = c["mask"]
-        logp, ent = self.logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
+        logp, ent = taken or self.logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
         token_loss, m = self.loss_fn(logp, c["anchor"], c["adv"], mask, self.loss_params)
         token_loss = token_loss * c["weights"]
         if cfg.entropy_coef > 0:
