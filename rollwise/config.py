@@ -45,6 +45,10 @@ class TaskConfig(Section):
     filler_mean: float = Field(0.0, ge=0)
     """Built-in tiers: mean number of '.' "thinking" tokens before the answer in the worked
     solutions (geometric), which makes response lengths long-tailed; 0: none."""
+    filler_tail: float = Field(0.0, ge=0, le=1)
+    """Built-in tiers: the share of worked solutions that think long instead: ',' filler,
+    geometric with mean filler_tail_mean (a heavy tail: a few responses run far longer)."""
+    filler_tail_mean: float = Field(0.0, ge=0)
     path: str | None = None
     """For name='file': a .jsonl or .parquet file of (prompt, answer) rows."""
     eval_path: str | None = None

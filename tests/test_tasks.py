@@ -75,3 +75,22 @@ def test_reasoning_gym_adapter_scores_with_the_dataset():
     task = load_task(TaskConfig(name="gym:basic_arithmetic", train_size=4, eval_size=2))
     p = task.train[0]
     assert task.score_fn(p.answer, p) == 1.0 and task.score_fn("nonsense", p) == 0.0
+
+
+def test_filler_tail_mixes_a_long_thinking_mode_into_the_worked_solutions():
+    """filler_tail of the solutions think with ',' (geometric, mean filler_tail_mean), the
+    rest with '.'; the answer extractor skips both; no tail leaves the old solutions as they
+    were (the same random draws)."""
+    base = dict(tiers={"add2": 1.0}, train_size=50, eval_size=10, filler_mean=2.0)
+    plain = load_task(TaskConfig(**base))
+    tailed = load_task(TaskConfig(**base, filler_tail=0.1, filler_tail_mean=30.0))
+    off = load_task(TaskConfig(**base, filler_tail=0.0, filler_tail_mean=30.0))
+    p = plain.train[0]
+    draws = [tailed.worked_solution(p, random.Random(i), noisy=False) for i in range(4000)]
+    long = [d for d in draws if d.startswith(",")]
+    assert 0.08 < len(long) / len(draws) < 0.12  # P(first ',') = 0.1 * 30/31
+    lengths = [len(d) - len(d.lstrip(",")) for d in long]
+    assert 26 < sum(lengths) / len(lengths) < 35  # mean 31 given at least one ','
+    assert all(tailed.extract_answer(d) == p.answer for d in draws)
+    assert all(plain.worked_solution(p, random.Random(i), noisy=False)
+               == off.worked_solution(p, random.Random(i), noisy=False) for i in range(200))

@@ -57,6 +57,7 @@ class ArithTask:
             raise ValueError(f"task.tiers = {cfg.tiers}: weights must be >= 0 with a positive sum")
         self.weights = {t: w / total for t, w in cfg.tiers.items() if w > 0}
         self.filler_mean = cfg.filler_mean
+        self.filler_tail, self.filler_tail_mean = cfg.filler_tail, cfg.filler_tail_mean
         rng = random.Random(cfg.seed)
         self.eval = []
         seen: set[str] = set()
@@ -97,12 +98,15 @@ class ArithTask:
     def worked_solution(self, problem: Problem, rng: random.Random, noisy: bool) -> str:
         """The SFT target: optional geometric '.' filler, then the (possibly noisy) answer."""
         answer = self.noisy_solution(problem, rng) if noisy else problem.solution
+        char, mean = ".", self.filler_mean
+        if self.filler_tail > 0 and rng.random() < self.filler_tail:
+            char, mean = ",", self.filler_tail_mean  # its own token: the model commits early
         dots = 0
-        if self.filler_mean > 0:  # geometric on {0, 1, ...} with this mean
-            while rng.random() < self.filler_mean / (1 + self.filler_mean):
+        if mean > 0:  # geometric on {0, 1, ...} with this mean
+            while rng.random() < mean / (1 + mean):
                 dots += 1
-        return "." * dots + answer
+        return char * dots + answer
 
     def extract_answer(self, response: str) -> str | None:
-        text = response.strip().lstrip(".")
+        text = response.strip().lstrip(".,")
         return text[::-1] if text else None
