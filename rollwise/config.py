@@ -49,6 +49,14 @@ class TaskConfig(Section):
     """Built-in tiers: the share of worked solutions that think long instead: ',' filler,
     geometric with mean filler_tail_mean (a heavy tail: a few responses run far longer)."""
     filler_tail_mean: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_filler_tail(self):
+        if self.filler_tail > 0 and self.filler_tail_mean <= 0:
+            raise ValueError(f"task.filler_tail = {self.filler_tail} needs task.filler_tail_mean "
+                             "> 0 (the long runs' mean length); set it, or filler_tail=0")
+        return self
+
     path: str | None = None
     """For name='file': a .jsonl or .parquet file of (prompt, answer) rows."""
     eval_path: str | None = None

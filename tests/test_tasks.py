@@ -94,3 +94,8 @@ def test_filler_tail_mixes_a_long_thinking_mode_into_the_worked_solutions():
     assert all(tailed.extract_answer(d) == p.answer for d in draws)
     assert all(plain.worked_solution(p, random.Random(i), noisy=False)
                == off.worked_solution(p, random.Random(i), noisy=False) for i in range(200))
+
+
+def test_filler_tail_without_a_mean_is_a_clear_error():
+    with pytest.raises(ValueError, match="filler_tail_mean"):
+        TaskConfig(filler_tail=0.1)

@@ -312,9 +312,11 @@ def test_a_kept_first_pass_is_used_by_the_first_step_only(tiny, groups):
     """Prepared.first is consumed by the first optimizer step, even one that is skipped."""
     model, tok = tiny
     trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=2), pad_id=tok.pad_token_id)
-    prep, _ = trainer.prepare(clone(groups), first=torch.tensor([0, 1]))
-    assert prep.first is not None and prep.first[1].requires_grad
-    assert torch.equal(prep.first[1].detach(), prep.anchor[:2, :prep.first[1].shape[1]])
+    first_mb = torch.arange(4)
+    prep, _ = trainer.prepare(clone(groups), first_mb)
+    rows, logp, _ = prep.first
+    assert len(rows) > 0 and torch.isin(rows, first_mb).all() and logp.requires_grad
+    assert torch.equal(logp.detach(), prep.anchor[rows, :logp.shape[1]])
     prep.mask[:] = 0  # nothing to train: the step is skipped
-    trainer._optimizer_step(prep, torch.tensor([0, 1]))
+    trainer._optimizer_step(prep, first_mb)
     assert prep.first is None

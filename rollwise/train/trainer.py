@@ -113,9 +113,9 @@ class Trainer:
     def make_batch(self, groups: list[Group]) -> Batch:
         """The columnar batch with each sample's advantage (no KL reward penalty)."""
         samples = [s for g in groups for s in g.samples]
-        x = self.advantage_inputs(groups, self.rewards(samples))
-        adv = compute_advantages(self.cfg.advantage, x, self.cfg.advantage_clip).advantages
-        return Batch.from_samples(samples, adv.tolist(), self.pad_id, x.group_index.tolist())
+        adv = self._advantages(groups, self.rewards(samples)).advantages
+        return Batch.from_samples(samples, adv.tolist(), self.pad_id,
+                                  [i for i, g in enumerate(groups) for _ in g.samples])
 
     def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
         """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""
@@ -185,23 +185,25 @@ class Trainer:
         metrics[f"dropped_tokens/{reason}"] = float((mask - new).sum())
         return new
 
-    def _first_rows(self, groups: list[Group], idx: torch.Tensor) -> torch.Tensor | None:
-        """The rows of the first minibatch idx that the first optimizer step will forward,
-        when they are known before the old log-probs are (None: take no shortcut). The weights
-        have not moved yet, so these rows' old log-probs are that step's own, detached."""
+    def _first_rows(self, first_mb: torch.Tensor | None,
+                    advantages: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of the first minibatch that its optimizer step will forward, when they
+        are known before the old log-probs are (None: take no shortcut). The weights have not
+        moved yet, so these rows' old log-probs are that step's own, detached."""
         cfg = self.cfg
-        if self.ref_model is not None and cfg.kl_mode == "reward":
-            return None  # the advantages, hence the moving rows, need the old log-probs
-        if cfg.micro_batch_size and cfg.micro_batch_size < len(idx):
+        if first_mb is None or advantages is None:
+            return None  # advantages None: they (hence the moving rows) need the old log-probs
+        if cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb):
             return None  # holding every micro-batch's graph would defeat micro-batching
         if not self._skips_zero_advantage():
-            return idx
+            return first_mb
         if cfg.token_shaping != "none":
             return None  # shaping may move a zero-advantage row's tokens
-        samples = [s for g in groups for s in g.samples]
-        adv = compute_advantages(cfg.advantage, self.advantage_inputs(groups, self.rewards(samples)),
-                                 cfg.advantage_clip).advantages
-        return idx[adv[idx] != 0]
+        return first_mb[advantages[first_mb] != 0]
+
+    def _advantages(self, groups: list[Group], rewards: torch.Tensor):
+        return compute_advantages(self.cfg.advantage, self.advantage_inputs(groups, rewards),
+                                  self.cfg.advantage_clip)
 
     def _old_logprobs(self, batch: Batch, first: torch.Tensor | None):
         """(prox, entropy, Prepared.first): the policy before the update on every row, the
@@ -223,27 +225,29 @@ class Trainer:
         return prox, ent, (first, logp, e)
 
     @torch.no_grad()
-    def prepare(self, groups: list[Group], first: torch.Tensor | None = None
+    def prepare(self, groups: list[Group], first_mb: torch.Tensor | None = None
                 ) -> tuple[Prepared, dict[str, float]]:
         """Old/reference/version log-probs, advantages, masks and weights for one update.
-        first: rows whose pass with gradient is taken now and kept (see _first_rows)."""
+        first_mb: the rows of the first minibatch, whose pass with gradient is taken here and
+        kept for its optimizer step where that is possible (see _first_rows)."""
         cfg, m = self.cfg, {}
         samples = [s for g in groups for s in g.samples]
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
-        prox, ent, first_pass = self._old_logprobs(batch, first)
+        rewards = self.rewards(samples)
+        kl_reward = self.ref_model is not None and cfg.kl_mode == "reward"
+        adv = None if kl_reward else self._advantages(groups, rewards)
+        prox, ent, first_pass = self._old_logprobs(
+            batch, self._first_rows(first_mb, None if adv is None else adv.advantages))
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
         self._keep_snapshot()
-        # advantages, with the KL penalty on the reward when asked
-        rewards = self.rewards(samples)
-        if ref is not None and cfg.kl_mode == "reward":
+        if kl_reward:  # the KL penalty on the reward, then the advantages
             seq_kl = (self.kl_fn(prox, ref) * batch.loss_mask).sum(-1)
             m["kl_ref"] = float((seq_kl.sum() / batch.loss_mask.sum().clamp_min(1)))
             rewards = rewards - cfg.kl_coef * seq_kl
-        adv = compute_advantages(cfg.advantage, self.advantage_inputs(groups, rewards),
-                                 cfg.advantage_clip)
+            adv = self._advantages(groups, rewards)
         batch.advantages = adv.advantages
         m.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         m["reward_mean"] = float(rewards.mean())
@@ -295,7 +299,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.seed * 100003 + self.version)
         orders = [torch.randperm(size, generator=gen) for _ in range(self.cfg.epochs)]
         n_chunks = min(self.cfg.minibatches, size)
-        prep, m = self.prepare(groups, self._first_rows(groups, orders[0].chunk(n_chunks)[0]))
+        prep, m = self.prepare(groups, orders[0].chunk(n_chunks)[0])
         metrics.update({f"train/{k}": v for k, v in m.items()})
         sums: dict[str, float] = {}
         n_mb = 0
