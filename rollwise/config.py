@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+Share = Annotated[float, Field(ge=0, le=1)]
 
 
 class Section(BaseModel):
@@ -282,8 +285,9 @@ class SFTConfig(Section):
     steps: int = Field(2000, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(1e-3, gt=0)
-    noise: float = Field(0.6, ge=0, le=1)
-    """Share of worked solutions whose top answer digit is off by one, so RL has work to do."""
+    noise: Share | dict[str, Share] = 0.6
+    """Share of worked solutions whose top answer digit is off by one, so RL has work to do;
+    or a share per tier ({sub2: 0.6}: the other tiers are learned from clean solutions)."""
     eval_every: int = Field(100, gt=0)
 
 

@@ -212,7 +212,7 @@ def test_decode_windows_match_one_pass_per_step(wild):
     params = [dataclasses.replace(SAMPLE, seed=s, max_new_tokens=6 + 3 * s) for s in range(6)]
     first = make(wild).generate([Request(p, q) for p, q in zip(PROMPTS, params)])
     stop = max(range(50), key=lambda t: sum(c.token_ids[1:].count(t) for c in first))
-    runs = {}
+    runs, passes = {}, {}
     for name, top in (("windows", 0), ("single", 1)):
         engine = make(wild, max_batch=6, segment=5)
         ids = [engine.add(Request(p, dataclasses.replace(q, stop_ids=(stop,), top_logprobs=top)))
@@ -223,8 +223,11 @@ def test_decode_windows_match_one_pass_per_step(wild):
             steps += 1
         runs[name] = steps, [[(e.token_ids, e.logprobs, e.entropies, e.finish_reason)
                               for e in events if e.seq_id == i] for i in ids]
+        passes[name] = engine.forward_passes
     assert runs["windows"][1] == runs["single"][1]
     assert runs["windows"][0] < runs["single"][0]  # several passes per step() call
+    # forward_passes counts model passes, not step() calls: the same either way
+    assert passes["windows"] == passes["single"] == runs["single"][0]
     reasons = {evs[-1][3] for evs in runs["windows"][1]}
     assert reasons == {"stop", "length"}
 

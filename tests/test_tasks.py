@@ -99,3 +99,37 @@ def test_filler_tail_mixes_a_long_thinking_mode_into_the_worked_solutions():
 def test_filler_tail_without_a_mean_is_a_clear_error():
     with pytest.raises(ValueError, match="filler_tail_mean"):
         TaskConfig(filler_tail=0.1)
+
+
+def _sft_answers(noise):
+    """(tier, answer written, true answer) for each worked solution at this sft.noise."""
+    from rollwise.models import char_tokenizer
+    from rollwise.train.sft import sft_examples
+    task = load_task(TaskConfig(tiers={"add2": 0.5, "sub2": 0.5}, train_size=400))
+    tok = char_tokenizer()
+    out = []
+    for p, (ids, plen) in zip(task.train, sft_examples(task, tok, noise, seed=0)):
+        out.append((p.tier, tok.decode(ids[plen:-1]), p.solution))
+    return out
+
+
+def test_sft_noise_per_tier_leaves_the_other_tiers_clean():
+    rows = _sft_answers({"sub2": 0.6})
+    wrong = {t: sum(a != b for tt, a, b in rows if tt == t) / sum(tt == t for tt, _, _ in rows)
+             for t in ("add2", "sub2")}
+    assert wrong["add2"] == 0.0
+    assert 0.5 < wrong["sub2"] < 0.7
+    # one share for every tier still means what it did: the same draws as before
+    both = _sft_answers(0.6)
+    assert all(0.5 < sum(a != b for tt, a, b in both if tt == t) / sum(tt == t for tt, _, _ in both)
+               < 0.7 for t in ("add2", "sub2"))
+
+
+def test_sft_noise_naming_an_absent_tier_is_a_clear_error():
+    with pytest.raises(ValueError, match="sft.noise names tier"):
+        _sft_answers({"sub3": 0.6})
+    from rollwise.config import load_config
+    cfg = load_config(None, ["sft.noise={sub2: 0.6, add2: 0}"])
+    assert cfg.sft.noise == {"sub2": 0.6, "add2": 0.0}
+    with pytest.raises(Exception, match="noise"):
+        load_config(None, ["sft.noise={sub2: 1.5}"])

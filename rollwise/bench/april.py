@@ -1,18 +1,20 @@
 """APRIL partial rollouts against synchronous groups on a long-tail task.
 
-    rollwise bench april [--steps 8] [--repeats 3] [key=value ...]
+    rollwise bench april [--steps 20] [--repeats 3] [key=value ...]
 
-The built-in tiers with geometric '.' filler before the answer (task.filler_mean) give
-long-tailed response lengths. Both modes start from the same warm-start model, train for the
-same number of steps with the same budget (prompts_per_step groups of group_size), and report
+The built-in tiers with two kinds of "thinking" before the answer give long-tailed response
+lengths: most worked solutions think briefly ('.' filler, geometric, mean task.filler_mean)
+and a tenth think long (',' filler, mean task.filler_tail_mean), so most synchronous steps wait
+for a few long responses. Both modes start from the same warm-start model, train for the same
+number of steps with the same budget (prompts_per_step groups of group_size), and report
 rollout-phase throughput: tokens of the groups handed to the trainer per second of generation.
 A token counts when its group is trained on: APRIL's carried samples count in the step that
 trains them, and what is still carried at the end counts nowhere (its generation time does).
 The run fails if decoded tokens != trained + carried tokens.
 
-Also reported: trained tokens per engine forward pass (decode tick), the cost model of
-METHODS.md §1, which is what a memory-bound GPU decoder pays. On a CPU a tick's cost grows with
-the rows in it, so the wall-clock gain is smaller than the tick gain.
+Also reported: trained tokens per model forward pass (decode tick), the cost model of
+METHODS.md §1, which is what a memory-bound GPU decoder pays. On a CPU a pass costs more the
+more rows it has, so the wall-clock gain is smaller than the tick gain.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import sys
 
 from rollwise.config import load_config
 
-DEFAULTS = ["task.filler_mean=4", "generate.max_new_tokens=64", "sft.steps=800",
+DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean=60",
+            "generate.max_new_tokens=192", "sft.steps=300", "control.prompts_per_step=8",
             "filter.drop_equal_reward_groups=false", "run.eval_every=1000", "run.log=quiet",
             "run.report=false"]
 
@@ -36,14 +39,9 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
                                     f"run.root={root}", f"run.name=april-{mode}",
                                     f"run.init={init}"])
     run = Run(cfg, Progress("quiet"))
-    engine, ticks = run.engine, [0]
-    engine_step = engine.step
-
-    def counted_step():  # one forward pass of the engine = one decode tick
-        ticks[0] += 1
-        return engine_step()
-    engine.step = counted_step
-    decoded0, prefill0 = engine.tokens_generated, engine.prefill_tokens
+    engine = run.engine
+    decoded0, prefill0, passes0 = (engine.tokens_generated, engine.prefill_tokens,
+                                   engine.forward_passes)
     rows = [run.step(step) for step in range(1, steps + 1)]
     gen_s = sum(r["perf/gen_seconds"] for r in rows)
     batch = sum(r["tokens/batch"] for r in rows)
@@ -55,9 +53,9 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
     per_step = [r["tokens/batch"] / r["perf/gen_seconds"] for r in rows[1:]]  # after step 1
     return {"mode": mode, "gen_seconds": gen_s, "batch_tokens": batch,
             "decoded_tokens": decoded, "prefill_tokens": engine.prefill_tokens - prefill0,
-            "ticks": ticks[0], "throughput": batch / gen_s,
+            "ticks": engine.forward_passes - passes0, "throughput": batch / gen_s,
             "step_throughput_median": statistics.median(per_step) if per_step else None,
-            "tokens_per_tick": batch / ticks[0],
+            "tokens_per_tick": batch / (engine.forward_passes - passes0),
             "stale_tokens": sum(r["tokens/stale"] for r in rows),
             "carried_tokens_end": carried,
             "mean_length": statistics.mean(r["response/length_mean"] for r in rows)}
@@ -66,7 +64,7 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise bench april", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--root", default="runs/bench-april")
     p.add_argument("--json", action="store_true")

@@ -11,6 +11,8 @@ with '>').
 
 The warm start is the default one (model.* and sft.* overrides apply; the task mix and pool
 size do not): SFT on the small RL pool itself would memorize each prompt's noisy answer.
+`--warm key=value` (repeatable) overrides apply to the warm start only, e.g. its own tier mix
+(`--warm 'task.tiers={add2: 0.5, sub2: 0.5}' --warm 'sft.noise={sub2: 0.6}'`).
 Held-out pass@1 is measured whenever --eval-rollouts more samples have been generated, so every
 method is judged at the same rollout granularity (a dynamic-sampling step larger than that is
 evaluated after each step).
@@ -42,6 +44,17 @@ def run_method(base: list[str], method: str, seed: int, target: float, max_steps
         f"run.seed={seed}", f"train.steps={max_steps}", f"run.root={root}",
         f"run.name=select-{method}-{seed}", f"run.init={init}"])
     run = Run(cfg, Progress("quiet"))
+    tiers = {p.id: p.tier for p in run.task.train}
+    by_tier: dict[str, list[int]] = {}  # tier -> [groups scored, groups with mixed rewards]
+    observe = run.selector.observe
+
+    def tally(outcomes, step):  # every scored group passes here, kept or not
+        for pid, (succ, trials) in outcomes.items():
+            t = by_tier.setdefault(tiers[pid], [0, 0])
+            t[0] += 1
+            t[1] += 0 < succ < trials
+        observe(outcomes, step)
+    run.selector.observe = tally
     mixed = scored = trained = 0
     reached, curve, next_eval = None, [], eval_rollouts
     for step in range(1, max_steps + 1):
@@ -58,7 +71,7 @@ def run_method(base: list[str], method: str, seed: int, target: float, max_steps
                 break
     return {"method": method, "seed": seed, "mixed_share": mixed / scored, "reached": reached,
             "rollouts_total": run.totals["rollouts"], "steps": step, "groups_scored": scored,
-            "groups_trained": trained, "eval_end": ev, "curve": curve}
+            "groups_trained": trained, "eval_end": ev, "curve": curve, "tiers": by_tier}
 
 
 def main(argv: list[str]) -> int:
@@ -71,6 +84,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--eval-rollouts", type=int, default=1280,
                    help="evaluate held-out pass@1 every this many generated samples")
     p.add_argument("--init", help="start every run from this model folder (no warm start)")
+    p.add_argument("--warm", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the warm start only (repeatable)")
     p.add_argument("--root", default="runs/bench-select")
     p.add_argument("--json", action="store_true")
     p.add_argument("--progress", action="store_true", help="print each run's curve as it ends")
@@ -82,7 +97,7 @@ def main(argv: list[str]) -> int:
     base = DEFAULTS + args.overrides
     init = args.init
     if init is None:
-        warm = [o for o in args.overrides if o.startswith(("model.", "sft."))]
+        warm = [o for o in args.overrides if o.startswith(("model.", "sft."))] + args.warm
         cfg = load_config(None, warm + [f"run.root={args.root}"])
         model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
         init = f"{args.root}/warm-start"
@@ -95,7 +110,8 @@ def main(argv: list[str]) -> int:
             if args.progress:
                 r = rows[-1]
                 print(f"# {m} seed {s}: mixed {r['mixed_share']:.2f} reached {r['reached']} "
-                      f"rollouts {r['rollouts_total']} steps {r['steps']} curve "
+                      f"rollouts {r['rollouts_total']} steps {r['steps']} tiers (groups, "
+                      f"mixed) {r['tiers']} curve "
                       f"{[(c[0], c[1], round(c[2], 3)) for c in r['curve']]}", flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -84,6 +84,7 @@ class Engine:
         self.version = version
         self.tokens_generated = 0
         self.prefill_tokens = 0  # prompt (and resumed) tokens run through the model
+        self.forward_passes = 0  # model forward passes (decode ticks), windows counted per pass
         self.scheduler = Scheduler(max_batch, kv_budget_tokens=kv_budget_tokens,
                                    max_prefill_tokens=max_prefill_tokens, segment=segment)
         self._seeds = random.Random(seed)
@@ -143,6 +144,7 @@ class Engine:
         out = self._sample(seqs, logits, hidden)
         self.tokens_generated += len(seqs)
         self.prefill_tokens += plan.num_tokens - len(plan.decode)
+        self.forward_passes += 1
         return events + self.scheduler.update(plan, out)
 
     def _window(self, plan: StepPlan, steps: int) -> list[Event]:
@@ -171,6 +173,7 @@ class Engine:
         before = sum(len(s.tokens) for s in seqs)
         events = self.scheduler.update_window(plan, tokens, logps, ents, self.version)
         self.tokens_generated += sum(len(s.tokens) for s in seqs) - before
+        self.forward_passes += len(picked)
         return events
 
     def stream(self) -> Iterator[Event]:

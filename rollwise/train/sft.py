@@ -25,15 +25,23 @@ def cache_path(cfg: Config) -> Path:
     return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def sft_examples(task: Task, tokenizer, noise: float, seed: int) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) for every train problem with a worked solution."""
+def sft_examples(task: Task, tokenizer, noise: float | dict[str, float],
+                 seed: int) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) for every train problem with a worked solution; `noise` is
+    one share for every tier or a share per tier (a tier left out is clean)."""
+    if isinstance(noise, dict):
+        unknown = set(noise) - {p.tier for p in task.train}
+        if unknown:
+            raise ValueError(f"sft.noise names tier(s) {sorted(unknown)} that the task's train "
+                             f"set does not have; use tiers of task.tiers")
     rng = random.Random(seed)
     out = []
     for p in task.train:
         if p.solution is None:
             continue
         if hasattr(task, "worked_solution"):  # built-in tiers: noise and filler
-            solution = task.worked_solution(p, rng, noisy=noise > 0 and rng.random() < noise)
+            share = noise.get(p.tier, 0.0) if isinstance(noise, dict) else noise
+            solution = task.worked_solution(p, rng, noisy=share > 0 and rng.random() < share)
         else:
             solution = p.solution
         prompt = tokenizer(p.prompt)["input_ids"]
