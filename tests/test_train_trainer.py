@@ -320,3 +320,21 @@ def test_a_kept_first_pass_is_used_by_the_first_step_only(tiny, groups):
     prep.mask[:] = 0  # nothing to train: the step is skipped
     trainer._optimizer_step(prep, first_mb)
     assert prep.first is None
+
+
+def test_an_update_with_no_groups_advances_the_schedule_quietly(tiny, groups):
+    """Every group filtered out: no optimizer step, but the lr schedule and the policy version
+    follow the RL step, and torch's scheduler-before-optimizer warning is not shown."""
+    import warnings
+    model, tok = tiny
+    cfg = TrainConfig(lr=1e-3, lr_end_factor=0.5, steps=4, minibatches=1)
+    trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        trainer.update([])
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert trainer.version == 1
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 0.5 / 4))
+    m = trainer.update(clone(groups))
+    assert m["train/lr"] == pytest.approx(1e-3 * (1 - 0.5 * 1 / 4))

@@ -405,7 +405,11 @@ class Trainer:
         return loss, m
 
     def _step_schedule(self) -> None:
-        self.scheduler.step()
+        # the schedule follows RL steps, so an update with no groups (every group filtered out)
+        # advances it without an optimizer step; torch warns about that order, needlessly here
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            self.scheduler.step()
         self.version += 1
 
     def weights(self) -> dict[str, torch.Tensor]:
