@@ -34,6 +34,7 @@ def test_dynamic_sampling_trains_on_a_full_batch_of_mixed_groups(tmp_path):
         assert m["groups/scored"] == m["groups/trained"] + dropped
         assert m["decisions/control/select/uniform"] == m["groups/scored"]
     assert len(samples) == sum(m["samples/total"] for m in lines)
+    assert all(m["tokens/decoded"] == m["tokens/generated"] for m in lines)
 
 
 def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tmp_path):
@@ -42,9 +43,15 @@ def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tm
     uids = [s.uid for s in samples]
     assert len(uids) == len(set(uids))
     assert all(s.finished for s in samples)
+    carried_before = 0
     for m in lines:
         assert m["groups/scored"] == 6
-        assert "tokens/paused_carried" in m
+        # tokens decoded this step = those of the groups scored now, less what they brought
+        # in from earlier steps, plus what stays in flight
+        carried = m["tokens/paused_carried"]
+        assert m["tokens/decoded"] == m["tokens/generated"] + carried - carried_before
+        carried_before = carried
+    assert any(m["tokens/decoded"] != m["tokens/generated"] for m in lines)
     # stale tokens exist once carried samples finish under newer weights
     assert any(v < s.step - 1 for s in samples for v in s.versions) or \
         all(m["tokens/paused_carried"] == 0 for m in lines)

@@ -105,8 +105,12 @@ class Run:
         t0 = time.time()
         self.current_step, ledger, m = step, Ledger(), {}
         replayed = self.take_replay(m)  # Replay: groups reused from the buffer, kept stale
+        decoded0 = self.engine.tokens_generated
         groups, scored = self.collect(step, ledger, m,
                                       self.cfg.control.prompts_per_step - len(replayed))
+        # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
+        # carry tokens decoded in earlier steps and leave some of this step's in flight
+        n_decoded = self.engine.tokens_generated - decoded0
         m["perf/gen_seconds"] = time.time() - t0
         self.persist(step, scored, {"step_gen_seconds": m["perf/gen_seconds"]})
         # every scored sample is on disk before training
@@ -141,10 +145,11 @@ class Run:
             "tokens/batch": sum(s.num_tokens for g in groups for s in g.samples),
             "tokens/stale": sum(v < self.trainer.version - 1 for g in groups for s in g.samples
                                 for v in s.versions),
-            "tokens/generated": n_gen, "response/length_mean": n_gen / len(samples),
+            "tokens/generated": n_gen, "tokens/decoded": n_decoded,
+            "response/length_mean": n_gen / len(samples),
             "samples/total": len(samples),
             "samples/truncated": sum(s.status == Status.TRUNCATED for s in samples),
-            "perf/gen_tokens_per_s": n_gen / max(m["perf/gen_seconds"], 1e-9),
+            "perf/gen_tokens_per_s": n_decoded / max(m["perf/gen_seconds"], 1e-9),
             "perf/step_seconds": time.time() - t0, "policy/version": self.trainer.version,
         })
         return m

@@ -12,7 +12,7 @@ from pathlib import Path
 # trainer's own drops; these tokens/ keys count tokens but are not destinations.
 TOKEN_KEY = "tokens/"
 TRAINER_DROP_KEY = "train/dropped_tokens/"
-NOT_CATEGORIES = {"tokens/generated", "tokens/batch", "tokens/stale"}
+NOT_CATEGORIES = {"tokens/generated", "tokens/decoded", "tokens/batch", "tokens/stale"}
 
 
 @dataclass
