@@ -46,6 +46,7 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
     gen_s = sum(r["perf/gen_seconds"] for r in rows)
     batch = sum(r["tokens/batch"] for r in rows)
     decoded = engine.tokens_generated - decoded0
+    passes = engine.forward_passes - passes0
     carried = rows[-1].get("tokens/paused_carried", 0.0)
     if decoded != batch + carried:  # every sampled token is trained on or still carried
         raise RuntimeError(f"{mode}: {decoded} tokens decoded but {batch} trained + "
@@ -53,9 +54,9 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
     per_step = [r["tokens/batch"] / r["perf/gen_seconds"] for r in rows[1:]]  # after step 1
     return {"mode": mode, "gen_seconds": gen_s, "batch_tokens": batch,
             "decoded_tokens": decoded, "prefill_tokens": engine.prefill_tokens - prefill0,
-            "ticks": engine.forward_passes - passes0, "throughput": batch / gen_s,
+            "ticks": passes, "throughput": batch / gen_s,
             "step_throughput_median": statistics.median(per_step) if per_step else None,
-            "tokens_per_tick": batch / (engine.forward_passes - passes0),
+            "tokens_per_tick": batch / passes,
             "stale_tokens": sum(r["tokens/stale"] for r in rows),
             "carried_tokens_end": carried,
             "mean_length": statistics.mean(r["response/length_mean"] for r in rows)}
