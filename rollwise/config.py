@@ -257,6 +257,10 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     minibatches: int = Field(2, ge=1)
+    minibatch_groups: int | None = Field(None, ge=1)
+    """Groups per optimizer step, as verl's ppo_mini_batch_size counts prompts: an update on
+    n kept groups takes ceil(n / this) steps, so each group that carries a signal buys the same
+    share of a step however it was found. None: train.minibatches steps per update."""
     epochs: int = Field(1, ge=1)
     pack_prompts: bool = True
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps

@@ -338,3 +338,31 @@ def test_an_update_with_no_groups_advances_the_schedule_quietly(tiny, groups):
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 0.5 / 4))
     m = trainer.update(clone(groups))
     assert m["train/lr"] == pytest.approx(1e-3 * (1 - 0.5 * 1 / 4))
+
+
+def test_minibatch_groups_takes_one_optimizer_step_per_that_many_groups(tiny):
+    """train.minibatch_groups = k: an update on n groups takes ceil(n / k) optimizer steps
+    whatever train.minibatches says; k >= n is exactly the one-step update."""
+    model, tok = tiny
+    five = make_groups(model, tok, n_prompts=5, group_size=4, max_new_tokens=6, seed=3)
+    weights = {}
+    for per, want in ((1, 5), (2, 3), (4, 2), (5, 1), (9, 1)):
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=4, minibatch_groups=per),
+                          pad_id=tok.pad_token_id)
+        seen = capture_grads(trainer)
+        m = trainer.update(clone(five))
+        assert len(seen) == want and m["train/minibatches"] == want, per
+        weights[per] = [p.detach().clone() for p in trainer.model.parameters()]
+    one = Trainer(copy.deepcopy(model), TrainConfig(minibatches=1), pad_id=tok.pad_token_id)
+    one.update(clone(five))
+    for per in (5, 9):
+        assert all(torch.equal(a, b) for a, b in zip(weights[per], one.model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[1], one.model.parameters()))
+
+
+def test_minibatch_groups_cannot_map_onto_trl():
+    from rollwise.bench.e2e_trl import trl_batch_args
+    with pytest.raises(ValueError, match="train.minibatch_groups"):
+        trl_batch_args(load_config(None, ["train.minibatch_groups=2"]))
+    with pytest.raises(ValueError):
+        load_config(None, ["train.minibatch_groups=0"])

@@ -30,6 +30,10 @@ def trl_batch_args(cfg: Config) -> dict:
     and train.minibatches optimizer steps on it."""
     completions = cfg.control.prompts_per_step * cfg.generate.group_size
     mb = cfg.train.minibatches
+    if cfg.train.minibatch_groups is not None:
+        raise ValueError("train.minibatch_groups makes the optimizer steps per batch vary, "
+                         "which TRL's fixed steps_per_generation cannot follow: unset it and "
+                         "use train.minibatches")
     if completions % mb:
         raise ValueError(f"prompts_per_step * group_size = {completions} must divide by "
                          f"train.minibatches = {mb} to map onto TRL's batches")

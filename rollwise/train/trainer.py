@@ -298,7 +298,7 @@ class Trainer:
         size = sum(len(g.samples) for g in groups)
         gen = torch.Generator().manual_seed(self.seed * 100003 + self.version)
         orders = [torch.randperm(size, generator=gen) for _ in range(self.cfg.epochs)]
-        n_chunks = min(self.cfg.minibatches, size)
+        n_chunks = min(self.optimizer_steps(len(groups)), size)
         prep, m = self.prepare(groups, orders[0].chunk(n_chunks)[0])
         metrics.update({f"train/{k}": v for k, v in m.items()})
         sums: dict[str, float] = {}
@@ -312,9 +312,15 @@ class Trainer:
         metrics.update({f"train/{k}": (v if k.endswith(("_max", "_min")) else v / n_mb)
                         for k, v in sums.items()})
         metrics["train/tokens"] = float(prep.mask.sum())
+        metrics["train/minibatches"] = float(n_mb)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self._step_schedule()
         return metrics
+
+    def optimizer_steps(self, n_groups: int) -> int:
+        """Optimizer steps of an update on n_groups groups, before each epoch repeats them."""
+        per = self.cfg.minibatch_groups
+        return self.cfg.minibatches if per is None else -(-n_groups // per)
 
     def _optimizer_step(self, prep: Prepared, idx: torch.Tensor) -> dict[str, float]:
         """One optimizer step on rows idx, accumulating gradients over micro-batches. The
