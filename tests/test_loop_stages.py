@@ -7,6 +7,7 @@ import pytest
 
 from rollwise.config import load_config
 from rollwise.loop.sync import train
+from rollwise.report.data import load_run
 from rollwise.store.rollouts import RolloutStore
 from tests.test_loop import SMALL
 
@@ -52,6 +53,13 @@ def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tm
         assert m["tokens/decoded"] == m["tokens/generated"] + carried - carried_before
         carried_before = carried
     assert any(m["tokens/decoded"] != m["tokens/generated"] for m in lines)
+    # the report gives every scored token one fate; the carried ones are a level beside them
+    report = load_run(tmp_path / "april")
+    cats = report.token_categories()
+    assert "unaccounted" not in cats and not any("paused" in c for c in cats)
+    for i, m in enumerate(lines):
+        assert sum(v[i] for v in cats.values()) == m["tokens/generated"]
+    assert report.held_over() == [m["tokens/paused_carried"] for m in lines]
     # stale tokens exist once carried samples finish under newer weights
     assert any(v < s.step - 1 for s in samples for v in s.versions) or \
         all(m["tokens/paused_carried"] == 0 for m in lines)

@@ -158,3 +158,21 @@ def test_several_runs_overlay_with_a_config_diff(tmp_path, capsys):
     diff = page.split("Settings that differ")[1].split("</table>")[0]
     assert "train.lr" in diff and "train.steps" not in diff
     assert "<td>paused</td><td>240 (6.0%)</td><td>0 (0.0%)</td>" in page
+
+
+def test_carried_tokens_are_a_level_not_a_fate(tmp_path):
+    """APRIL's tokens held over at a step's end meet their fate in a later step: the
+    categories still sum to the scored tokens, and the table shows what is left in flight."""
+    rows = [{"step": 0}]
+    for s, held in enumerate([500, 300, 200], start=1):
+        rows.append({"step": s, "tokens/generated": 1000, "tokens/trained": 700,
+                     "tokens/filtered/equal_reward": 300, "tokens/paused_carried": held})
+    d = write_run(tmp_path / "april", rows)
+    run = load_run(d)
+    assert {k: sum(v) for k, v in run.token_categories().items()} == {
+        "trained": 2100, "filtered: equal_reward": 900}
+    assert run.held_over() == [500, 300, 200]
+    page = write_report([d]).read_text()
+    assert "<td>held over after the last step (paused, not yet scored)</td><td>200</td>" in page
+    assert "unaccounted" not in page
+    assert load_run(write_run(tmp_path / "sync", synthetic_rows())).held_over() == []

@@ -13,6 +13,10 @@ from pathlib import Path
 TOKEN_KEY = "tokens/"
 TRAINER_DROP_KEY = "train/dropped_tokens/"
 NOT_CATEGORIES = {"tokens/generated", "tokens/decoded", "tokens/batch", "tokens/stale"}
+# Levels, not fates: APRIL's tokens held in flight at the end of a step. They meet their fate
+# (trained or filtered) in the step that scores their group, so summing them as a category
+# would count them again in every step they stay carried.
+HELD_KEY = "tokens/paused_carried"
 
 
 @dataclass
@@ -57,7 +61,7 @@ class RunData:
         elif "train/tokens" in keys:
             cats["trained"] = "train/tokens"
         for k in sorted(keys):
-            if k.startswith(TOKEN_KEY) and k not in NOT_CATEGORIES and k != "tokens/trained":
+            if k.startswith(TOKEN_KEY) and k not in NOT_CATEGORIES | {HELD_KEY, "tokens/trained"}:
                 cats[k.removeprefix(TOKEN_KEY).replace("/", ": ", 1)] = k
             elif k.startswith(TRAINER_DROP_KEY):
                 cats["dropped by trainer: " + k.removeprefix(TRAINER_DROP_KEY)] = k
@@ -68,6 +72,12 @@ class RunData:
         if any(x > 0.5 for x in rest):
             out["unaccounted"] = [max(x, 0.0) for x in rest]
         return out
+
+    def held_over(self) -> list[float]:
+        """Tokens paused and carried into the next step, at the end of each training step;
+        empty when the run carries none."""
+        held = [float(r.get(HELD_KEY, 0) or 0) for r in self.rows if r.get("step", 0) >= 1]
+        return held if any(held) else []
 
     def training_steps(self) -> list[int]:
         return [int(r["step"]) for r in self.rows if r.get("step", 0) >= 1]

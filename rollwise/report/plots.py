@@ -109,10 +109,14 @@ def token_flow(runs: list[RunData]) -> Figure:
                 color, n_filtered = GREYS[n_filtered % len(GREYS)], n_filtered + 1
             ax.bar(steps, values, bottom=bottom, width=1.0, color=color, label=label, lw=0)
             bottom = [b + v for b, v in zip(bottom, values)]
+        held = run.held_over()
+        if held:  # a level beside the bars: what waits in flight for a later step's fate
+            ax.step(steps, held, where="mid", color=CATEGORY_COLORS["paused"], lw=1.2,
+                    label="held over to the next step (paused)")
         ax.set_title(run.name, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("tokens")
-        ax.set_ylim(0, max(bottom) * 1.3 or 1)  # headroom for the legend
+        ax.set_ylim(0, max(bottom + held) * 1.3 or 1)  # headroom for the legend
         ax.legend(fontsize=7, ncol=3, loc="upper center")
     for ax in axes[len(runs):]:
         ax.set_visible(False)

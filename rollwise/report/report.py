@@ -112,6 +112,9 @@ def token_rows(runs: list[RunData]) -> tuple[list[str], list[list]]:
     for c in cats:
         rows.append([c, *[f"{m.get(c, 0):,.0f} ({m.get(c, 0) / g:.1%})" if g else
                           f"{m.get(c, 0):,.0f}" for m, g in zip(per_run, generated)]])
+    if any(r.held_over() for r in runs):  # in flight when the run stopped: no fate yet
+        rows.append(["held over after the last step (paused, not yet scored)",
+                     *[f"{(r.held_over() or [0])[-1]:,.0f}" for r in runs]])
     return ["category", *[r.name for r in runs]], rows
 
 
@@ -148,8 +151,10 @@ SECTIONS = [
      "(dashed: per tier). Left to right against step, generated tokens and wall time."),
     ("Where the tokens went", plots.token_flow,
      "Generated tokens per step by fate: trained on, filtered (groups with equal rewards carry "
-     "no GRPO signal), dropped by the trainer, and paused / pruned / aborted where the run's "
-     "controllers report them."),
+     "no GRPO signal), dropped by the trainer, and pruned / aborted where the run's "
+     "controllers report them. Under APRIL a line shows the tokens paused and held over "
+     "at the end of each step: they are counted under their fate in the step that scores "
+     "them."),
     ("Response length over time", plots.lengths,
      "Median response length per step and the 10-90 % band, from the rollout store."),
     ("Informative groups", plots.groups,
