@@ -76,7 +76,8 @@ def cmd_eval(args) -> int:
     task = load_task(cfg.task)
     scorer = make_scorer("math_verify" if cfg.filter.reward == "math_verify" else "exact", task)
     metrics = evaluate(Engine(model, pad_id=tok.pad_token_id, copy_model=False), tok,
-                       task.eval, scorer, cfg.generate.max_new_tokens)
+                       task.eval, scorer, cfg.generate.max_new_tokens, cfg.run.eval_samples,
+                       cfg.run.eval_temperature)
     print(json.dumps(metrics, indent=2))
     return 0
 

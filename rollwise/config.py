@@ -326,6 +326,11 @@ class RunConfig(Section):
     root: str = "runs"
     seed: int = 0
     eval_every: int = Field(10, gt=0)
+    eval_samples: int = Field(1, ge=1)
+    """Held-out pass@1 from this many samples per prompt at eval_temperature (1 at 0: greedy)."""
+    eval_temperature: float = Field(0.0, ge=0)
+    """0: greedy. RL maximizes the reward sampled at generate.temperature, so the mean over
+    samples at that temperature is the pass@1 the policy is trained for."""
     log: Literal["auto", "rich", "plain", "quiet"] = "auto"
     init: str | None = None
     """Start RL from this model folder instead of the (cached) warm start."""
@@ -346,6 +351,14 @@ class RunConfig(Section):
     0: only at the end and on Ctrl-C. `rollwise train --resume RUN` continues from the last."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept (the newest)."""
+
+    @model_validator(mode="after")
+    def _check_eval_sampling(self):
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError(f"run.eval_samples = {self.eval_samples} at run.eval_temperature "
+                             "= 0 repeats the greedy answer: set run.eval_temperature > 0 "
+                             "(e.g. generate.temperature) or run.eval_samples = 1")
+        return self
 
 
 class Config(Section):

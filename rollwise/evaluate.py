@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy pass@1 per tier and overall."""
+"""Held-out evaluation: pass@1 per tier and overall, greedy or averaged over samples."""
 
 from __future__ import annotations
 
@@ -8,21 +8,37 @@ from rollwise.engine import Engine, Request, SamplingParams
 from rollwise.stages.filter import Scorer
 from rollwise.tasks import Problem
 
+EVAL_SEED = 1_000_003  # sampled evals draw from fixed seeds: the same call gives the same number
+
 
 def evaluate(engine: Engine, tokenizer, problems: list[Problem], scorer: Scorer,
-             max_new_tokens: int) -> dict[str, float]:
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
-                            stop_ids=(tokenizer.eos_token_id,))
-    requests = [Request(tokenizer(p.prompt)["input_ids"], params, i)
-                for i, p in enumerate(problems)]
-    by_tier: dict[str, list[float]] = defaultdict(list)
-    for p, c in zip(problems, engine.generate(requests)):
+             max_new_tokens: int, samples: int = 1, temperature: float = 0.0
+             ) -> dict[str, float]:
+    """pass@1: greedy (temperature 0), or the mean success of `samples` draws per prompt at
+    `temperature`, the unbiased pass@1 estimate of the sampled policy."""
+    if samples > 1 and temperature == 0:
+        raise ValueError(f"{samples} eval samples at temperature 0 are {samples} copies of "
+                         "the greedy answer: set a temperature > 0, or 1 sample")
+    stop = (tokenizer.eos_token_id,)
+
+    def params(i: int, j: int) -> SamplingParams:
+        seed = None if temperature == 0 else EVAL_SEED + i * samples + j
+        return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                              stop_ids=stop, seed=seed)
+    requests = [Request(tokenizer(p.prompt)["input_ids"], params(i, j), i)
+                for i, p in enumerate(problems) for j in range(samples)]
+    per_prompt: dict[int, list[float]] = defaultdict(list)
+    for r, c in zip(requests, engine.generate(requests)):
+        p = problems[r.id]
         text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
         try:
             reward, _ = scorer(text, p)
         except Exception:  # a scorer failure counts as wrong, never stops the eval
             reward = 0.0
-        by_tier[p.tier].append(float(reward >= 1.0))
+        per_prompt[r.id].append(float(reward >= 1.0))
+    by_tier: dict[str, list[float]] = defaultdict(list)
+    for i, wins in sorted(per_prompt.items()):
+        by_tier[problems[i].tier].append(sum(wins) / len(wins))
     allv = [v for vs in by_tier.values() for v in vs]
     out = {"eval/pass1": sum(allv) / max(len(allv), 1)}
     if len(by_tier) > 1:

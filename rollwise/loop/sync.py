@@ -93,8 +93,9 @@ class Run:
         killpoint.instrument(self)  # crash tests only (ROLLWISE_KILL_AT)
 
     def evaluate(self) -> dict[str, float]:
+        run = self.cfg.run
         return evaluate(self.engine, self.tokenizer, self.task.eval, self.eval_scorer,
-                        self.cfg.generate.max_new_tokens)
+                        self.cfg.generate.max_new_tokens, run.eval_samples, run.eval_temperature)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
