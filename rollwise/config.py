@@ -157,7 +157,20 @@ class ControlConfig(Section):
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: refill until prompts_per_step groups have mixed rewards."""
     max_rounds: int = Field(8, ge=1)
-    """Dynamic sampling: most generation rounds per step."""
+    """Dynamic sampling: most generation rounds per step; after the last, the step trains on
+    the mixed groups it has."""
+    refill: Literal["missing", "full"] = "missing"
+    """Dynamic sampling: each round after the first generates only the groups still missing
+    (missing), or a full prompts_per_step again as verl's DAPO recipe does with
+    data.gen_batch_size = train_batch_size (full; the DPS paper's baseline, with
+    max_rounds = 4). Mixed groups beyond the batch are dropped as batch_full."""
+
+    @model_validator(mode="after")
+    def _check_refill(self):
+        if self.refill != "missing" and not self.dynamic_sampling:
+            raise ValueError(f"control.refill = {self.refill} applies to dynamic sampling "
+                             "only: set control.dynamic_sampling = true, or drop control.refill")
+        return self
 
 
 class ReplayConfig(Section):

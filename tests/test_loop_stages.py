@@ -38,6 +38,31 @@ def test_dynamic_sampling_trains_on_a_full_batch_of_mixed_groups(tmp_path):
     assert all(m["tokens/decoded"] == m["tokens/generated"] for m in lines)
 
 
+def test_dynamic_sampling_full_refill_generates_whole_batches_then_stops(tmp_path):
+    """refill=full (verl's DAPO): every round generates prompts_per_step groups; after
+    max_rounds the step trains on the mixed groups it has."""
+    _, lines, samples = run(tmp_path, "dsf", "control.dynamic_sampling=true",
+                            "control.refill=full", "control.max_rounds=2")
+    assert len(samples) == sum(m["samples/total"] for m in lines)
+    for m in lines:
+        assert m["groups/scored"] in (6, 12)
+        assert m["decisions/control/select/uniform"] == m["groups/scored"]
+        assert m["groups/trained"] <= 6
+        dropped = sum(v for k, v in m.items() if k.startswith("decisions/filter/drop/"))
+        assert m["groups/scored"] == m["groups/trained"] + dropped
+        if m["groups/trained"] < 6:  # short batch: both rounds were spent
+            assert m["groups/scored"] == 12
+        if m["groups/scored"] == 6:  # one round filled the batch, nothing extra dropped
+            assert m["groups/trained"] == 6
+    assert any(m["groups/scored"] == 12 for m in lines)
+
+
+def test_refill_without_dynamic_sampling_is_a_config_error():
+    from rollwise.config import ConfigError
+    with pytest.raises(ConfigError, match="control.dynamic_sampling"):
+        load_config(None, ["control.refill=full"])
+
+
 def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tmp_path):
     summary, lines, samples = run(tmp_path, "april", "control.inflight=april",
                                   "generate.max_new_tokens=12")

@@ -2,6 +2,10 @@
 
     rollwise bench select [--seeds 0 1 2] [--target 0.73] [--max-steps 200] [key=value ...]
 
+Methods: uniform, dynamic (DAPO dynamic sampling, each refill round generating only the groups
+still missing, up to control.max_rounds), dynamic-full (the same as verl's DAPO recipe runs it
+in the DPS paper: a whole batch every round, at most 4 rounds), thompson, dps.
+
 Each method trains from the same warm start on a small pool of prompts that recur (so
 per-prompt statistics can be learned), most of them solved or out of reach. Reported per
 method: the share of generated groups with mixed rewards, and the rollouts (samples generated,
@@ -30,6 +34,10 @@ from rollwise.config import load_config
 METHODS = {
     "uniform": ["control.selector=uniform"],
     "dynamic": ["control.selector=uniform", "control.dynamic_sampling=true"],
+    # verl's DAPO recipe as the DPS paper's baseline runs it (maoyixiu/DPS math scripts:
+    # gen_batch_size = train_batch_size, max_num_gen_batches = 4)
+    "dynamic-full": ["control.selector=uniform", "control.dynamic_sampling=true",
+                     "control.refill=full", "control.max_rounds=4"],
     "thompson": ["control.selector=thompson"],
     "dps": ["control.selector=dps"],
 }
@@ -133,8 +141,10 @@ def main(argv: list[str]) -> int:
         print(f"| {m} | {statistics.mean(r['mixed_share'] for r in rs):.2f} | {shown} | "
               f"{st if st != float('inf') else '-'} | {sum(bool(r['reached']) for r in rs)}/"
               f"{len(rs)} |")
-    if "dps" in medians and "dynamic" in medians and medians["dynamic"] != float("inf"):
-        print(f"\nDPS / dynamic sampling rollouts: {medians['dps'] / medians['dynamic']:.2f}")
+    print()
+    for ds in ("dynamic", "dynamic-full"):
+        if "dps" in medians and ds in medians and medians[ds] != float("inf"):
+            print(f"DPS / {ds} rollouts: {medians['dps'] / medians[ds]:.2f}")
     if "dps" in medians and "uniform" in medians and medians["uniform"] != float("inf"):
         print(f"DPS / uniform rollouts: {medians['dps'] / medians['uniform']:.2f}")
     return 0

@@ -169,13 +169,14 @@ class Run:
                 want: int | None = None) -> tuple[list[Group], list[Group]]:
         """Control picks prompts, Generate samples groups, Filter scores and keeps them. With
         control.dynamic_sampling, refill until `want` (default prompts_per_step) groups carry a
-        signal (DAPO)."""
+        signal (DAPO); control.refill=full generates a whole batch every round, as verl does."""
         cfg = self.cfg
         want = cfg.control.prompts_per_step if want is None else want
         kept, scored = [], []
         for _ in range(cfg.control.max_rounds if cfg.control.dynamic_sampling else 1):
             self.progress.phase("generate")
-            groups = self.generate(want - len(kept), step, ledger)
+            n = want if cfg.control.refill == "full" else want - len(kept)
+            groups = self.generate(n, step, ledger)
             self.progress.phase("score")
             self.score(groups, m)
             scored += groups
