@@ -66,6 +66,7 @@ def test_overlong_penalty_matches_its_definition():
     for n in range(0, 12):  # reference: DAPO's piecewise definition written out
         want = 0.0 if n <= 6 else ((6 - n) / 2 if n <= 8 else -1.0)
         assert overlong_penalty(n, 8, 2) == pytest.approx(want)
+        assert overlong_penalty(n, 8, 0) == (0.0 if n <= 8 else -1.0)  # hard cut-off only
 
 
 def test_failures_are_counted_by_cause_and_the_run_goes_on(task):

@@ -90,6 +90,18 @@ def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tm
         all(m["tokens/paused_carried"] == 0 for m in lines)
 
 
+def test_a_judge_without_a_model_grades_with_the_policy_engine(tmp_path):
+    """filter.judge.model unset: the loop lends the judge its own engine (the policy judging
+    itself), so the run scores every sample instead of failing on 'the judge has no model'."""
+    _, lines, samples = run(tmp_path, "judge", "filter.reward=judge",
+                            "filter.judge.max_new_tokens=4", "train.steps=1")
+    assert len(samples) == 6 * 4
+    # every sample went through the judge's generate call: the tiny arithmetic policy gives
+    # no verdict word, so each one fails as bad_verdict (not as a missing judge model)
+    failed = {k: v for k, v in lines[0].items() if k.startswith("filter/failed/")}
+    assert failed == {"filter/failed/bad_verdict": 24.0}
+
+
 def test_unknown_selector_is_a_config_error(tmp_path):
     from rollwise.config import ConfigError
     with pytest.raises(ConfigError, match="control.selector"):

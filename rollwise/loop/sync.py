@@ -76,6 +76,8 @@ class Run:
         self.engine = build_engine(cfg, model, pad_id=self.pad_id)  # here or a child process
         self.sync = build_sync(cfg.sync, self.trainer, self.engine)
         self.filter = build_filter(cfg.filter, self.task)
+        if cfg.filter.judge.model is None:  # a judge with no model of its own: the policy
+            self.filter.attach_engine(self.engine, self.tokenizer)
         self.selector = build_selector(cfg.control)
         self.generator = (PartialRolloutGenerator(cfg.generate, self.tokenizer,
                                                   cfg.control.over_provision)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from rollwise.stages.filter.base import Item, Verdict
+from rollwise.train.group_filters import soft_overlong_penalty
 
 
 class FormatVerifier:
@@ -38,12 +39,9 @@ class FormatVerifier:
 
 
 def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
-    free = max_tokens - buffer
-    if num_tokens <= free:
-        return 0.0
-    if num_tokens <= max_tokens:
-        return (free - num_tokens) / max(buffer, 1)
-    return -1.0
+    """DAPO's soft overlong penalty; buffer 0 leaves only the -1 past max_tokens."""
+    return -1.0 if num_tokens > max_tokens else soft_overlong_penalty(num_tokens, max_tokens,
+                                                                       buffer)
 
 
 class LengthVerifier:
