@@ -97,8 +97,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--root", default="runs/bench-select")
     p.add_argument("--json", action="store_true")
     p.add_argument("--progress", action="store_true", help="print each run's curve as it ends")
+    p.add_argument("--readout", nargs="+", metavar="LOG",
+                   help="run nothing: read --progress logs back (rollwise.bench.select_readout)")
+    p.add_argument("--targets", type=float, nargs="+",
+                   help="with --readout: targets to read (default: --target)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.readout:
+        from rollwise.bench.select_readout import report
+        print(report(args.readout, args.targets or [args.target]))
+        return 0
     from rollwise import models
     from rollwise.tasks import load_task
     from rollwise.train.sft import warm_start
