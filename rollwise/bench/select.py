@@ -103,6 +103,8 @@ def main(argv: list[str]) -> int:
                    help="with --readout: targets to read (default: --target)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.targets and not args.readout:
+        p.error("--targets reads saved logs: pass them with --readout LOG ...")
     if args.readout:
         from rollwise.bench.select_readout import report
         print(report(args.readout, args.targets or [args.target]))

@@ -70,6 +70,7 @@ def subset_rate(runs: dict, target: float, ds: str, k: int = 3) -> tuple[int, in
 def report(paths: list[str], targets: list[float]) -> str:
     runs = parse_logs(paths)
     seeds = sorted({s for _, s in runs})
+    methods = {m for m, _ in runs}
     lines = [f"seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}); a method is shown where it has "
              "all of them", ""]
     for t in targets:
@@ -79,7 +80,7 @@ def report(paths: list[str], targets: list[float]) -> str:
         for ds in ("dynamic", "dynamic-full"):
             if "dps" in med and ds in med and med[ds][0] < NOT_REACHED:
                 lines.append(f"  DPS / {ds}: {med['dps'][0] / med[ds][0]:.3f}")
-            if {"dps", "uniform"} <= {m for m, _ in runs} and any(m == ds for m, _ in runs):
+            if {"dps", "uniform", ds} <= methods:
                 hit, n = subset_rate(runs, t, ds)
                 if n:
                     lines.append(f"  three-seed subsets meeting the target against {ds}: "
