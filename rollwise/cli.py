@@ -65,7 +65,7 @@ def cmd_eval(args) -> int:
     from rollwise import models
     from rollwise.engine import Engine
     from rollwise.evaluate import evaluate
-    from rollwise.stages.filter import make_scorer
+    from rollwise.stages.filter import eval_scorer
     from rollwise.tasks import load_task
     cfg = _load(args)
     model_dir = Path(args.model)
@@ -74,8 +74,8 @@ def cmd_eval(args) -> int:
         cfg = load_config(run_cfg, args.overrides)
     model, tok = models.load_model(model_dir, cfg.model.dtype)
     task = load_task(cfg.task)
-    scorer = make_scorer("math_verify" if cfg.filter.reward == "math_verify" else "exact", task)
-    metrics = evaluate(Engine(model, pad_id=tok.pad_token_id, copy_model=False), tok,
+    scorer = eval_scorer(cfg.filter, task)
+    metrics = evaluate(Engine(model, copy_model=False), tok,
                        task.eval, scorer, cfg.generate.max_new_tokens, cfg.run.eval_samples,
                        cfg.run.eval_temperature)
     print(json.dumps(metrics, indent=2))
@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
     from rollwise import models
     from rollwise.engine import Engine, Request, SamplingParams
     model, tok = models.load_model(args.model)
-    engine = Engine(model, pad_id=tok.pad_token_id, copy_model=False, seed=args.seed)
+    engine = Engine(model, copy_model=False, seed=args.seed)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             stop_ids=(tok.eos_token_id,))
     ids = tok(args.prompt)["input_ids"]

@@ -12,10 +12,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      field_validator, model_validator)
 
+from rollwise import registry
 
 Share = Annotated[float, Field(ge=0, le=1)]
+
+
+def Seam(kind: str, key: str):  # noqa: N802 (a type)
+    """A str naming an implementation of a registry kind: a known name or 'package.module:attr'
+    (rollwise.registry); anything else fails validation with the list of known names."""
+    return Annotated[str, AfterValidator(lambda v: registry.check(kind, v, key))]
 
 
 class Section(BaseModel):
@@ -68,16 +76,22 @@ class TaskConfig(Section):
 
 
 class EngineConfig(Section):
-    backend: Literal["builtin"] = "builtin"
+    backend: Seam("engine", "engine.backend") = "builtin"
+    """builtin (rollwise's engine), vllm (needs the vllm extra), or 'package.module:factory'
+    called as factory(cfg, model, tokenizer, run_dir)."""
     max_batch: int = Field(1024, gt=0)
     """KV slots: most sequences decoded at once; the rest wait and take freed slots."""
     segment: int = Field(16, gt=0)
     """The engine reports each sequence's new tokens every `segment` tokens and at its end."""
     kv_budget_tokens: int | None = Field(None, gt=0)
-    """Cap on KV-cache positions (slots x length); None: bounded by max_batch only."""
+    """Cap on KV-cache positions (slots x length); None: bounded by max_batch only.
+    vllm: the KV cache is sized to hold this many tokens."""
 
 
 class GenerateConfig(Section):
+    strategy: Seam("generator", "generate.strategy") = "group"
+    """How trajectories are proposed: group (i.i.d. samples per prompt), or
+    'package.module:factory' called as factory(cfg, tokenizer) (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -124,10 +138,20 @@ class FilterConfig(Section):
     """format channel: the stripped response must fullmatch this regex (None: any answer)."""
     length_max: int = Field(8, gt=0)
     length_buffer: int = Field(2, ge=0)
-    """length channel: DAPO overlong penalty from length_max - length_buffer tokens."""
+    """length channel: DAPO's soft overlong penalty, 0 up to length_max - length_buffer tokens,
+    then falling linearly to -1 at length_max (set length_max to generate.max_new_tokens).
+    Weigh it in filter.reward, e.g. {exact: 1, length: 1}: the one place it is configured."""
     code_reward: Literal["all", "fraction"] = "all"
     sandbox: SandboxConfig = SandboxConfig()
     judge: JudgeConfig = JudgeConfig()
+
+    @field_validator("reward")
+    @classmethod
+    def _check_reward(cls, v):
+        for name in ([v] if isinstance(v, str) else v):
+            registry.check("verifier", name, "filter.reward")
+        return v
+
     majority_min_ratio: float = Field(0.0, ge=0, lt=1)
     """majority channel: a group gets a pseudo-label only when its most common answer holds
     more than this share of its samples (0.5: a strict majority; 0: the plurality, as TTRL).
@@ -137,8 +161,9 @@ class FilterConfig(Section):
 
 
 class ControlConfig(Section):
-    selector: Literal["uniform", "thompson", "dps"] = "uniform"
-    """uniform; thompson (MoPPS Beta-Bernoulli); dps (Dynamics-Predictive Sampling)."""
+    selector: Seam("selector", "control.selector") = "uniform"
+    """uniform; thompson (MoPPS Beta-Bernoulli); dps (Dynamics-Predictive Sampling); or
+    'package.module:factory' called as factory(cfg) (rollwise.stages.control)."""
     prompts_per_step: int = Field(64, gt=0)
     candidate_ratio: float = Field(4.0, ge=1)
     """DPS: candidate pool size as a multiple of prompts_per_step."""
@@ -149,9 +174,10 @@ class ControlConfig(Section):
     """DPS / Thompson: per-update decay of the per-prompt counts toward their prior."""
     target_success: float = Field(0.5, gt=0, lt=1)
     """Thompson: pick prompts whose sampled success rate is closest to this."""
-    inflight: Literal["none", "april"] = "none"
-    """In-flight control. april: partial rollouts (stop at prompts_per_step complete groups,
-    pause the rest, resume them first next step)."""
+    inflight: Seam("inflight", "control.inflight") = "none"
+    """In-flight control over any generator. none: every request runs to its end; april:
+    partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
+    first next step); or 'package.module:factory' called as factory(cfg)."""
     over_provision: float = Field(2.0, ge=1)
     """APRIL: groups in flight per group wanted."""
     dynamic_sampling: bool = False
@@ -178,6 +204,9 @@ class ReplayConfig(Section):
     """Rollout replay (DOTS RR, METHODS.md §2.8): fill `share` of each batch's prompt slots
     with groups drawn from a buffer of recent ones instead of generating them. Pair it with
     train.correction.mode=tis (the decoupled clip) so stale tokens are corrected."""
+    strategy: Seam("replay", "replay.strategy") = "buffer"
+    """What replay does when enabled: buffer (the DOTS rollout buffer) or
+    'package.module:factory' called as factory(cfg) (rollwise.stages.replay)."""
     share: float = Field(0.5, ge=0, lt=1)
     """Share of prompts_per_step taken from the buffer (once it holds enough groups)."""
     capacity: int = Field(512, gt=0)
@@ -229,19 +258,19 @@ class CorrectionConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                       "mc_grpo", "gdpo"] = "grpo"
-    """Advantage estimator (rollwise.train.advantages)."""
+    advantage: Seam("advantage", "train.advantage") = "grpo"
+    """Advantage estimator (rollwise.train.advantages): grpo, dr_grpo, rloo, reinforce_pp,
+    reinforce_pp_baseline, mc_grpo, gdpo, or 'package.module:function'."""
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
     advantage_clip: float | None = Field(None, gt=0)
     """Cap |advantage| (MC-GRPO gives |A| = 1000 when a group's MAD is 0); None: no cap."""
-    token_shaping: str = "none"
+    token_shaping: Seam("token_shaping", "train.token_shaping") = "none"
     """Per-token advantage hook: a registered name or 'package.module:function'."""
-    loss: Literal["ppo_clip", "dual_clip", "gspo"] = "ppo_clip"
-    """Policy loss (rollwise.train.losses). GSPO wants clip_low/high near 3e-4/4e-4."""
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = \
-        "seq-mean-token-mean"
+    loss: Seam("policy_loss", "train.loss") = "ppo_clip"
+    """Policy loss (rollwise.train.losses): ppo_clip, dual_clip, gspo (wants clip_low/high near
+    3e-4/4e-4), or 'package.module:function'."""
+    loss_agg: Seam("aggregation", "train.loss_agg") = "seq-mean-token-mean"
     """GRPO: seq-mean-token-mean; DAPO: token-mean; Dr.GRPO: seq-mean-token-sum-norm."""
     norm_length: int | None = Field(None, gt=0)
     """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO: the generation budget); None
@@ -252,17 +281,13 @@ class TrainConfig(Section):
     """Dual-clip bound on negative-advantage tokens (loss 'dual_clip')."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: loss -= entropy_coef * token entropy."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Seam("kl", "train.kl_estimator") = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
     """KL to the initial policy as a loss term, or subtracted from the reward (summed over
     the response) before the advantages."""
     overlong_filter: bool = False
-    """DAPO overlong filtering: truncated responses leave the loss."""
-    overlong_buffer: int = Field(0, ge=0)
-    """DAPO soft overlong punishment over the last N tokens of overlong_max_length; 0: off."""
-    overlong_max_length: int | None = Field(None, gt=0)
-    """Length budget of the soft overlong punishment (set it to generate.max_new_tokens)."""
-    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """DAPO overlong filtering: truncated responses leave the loss. (DAPO's soft overlong
+    punishment is a reward: the filter's `length` channel.)"""
     correction: CorrectionConfig = CorrectionConfig()
     lr: float = Field(3e-4, gt=0)
     lr_end_factor: float = Field(0.1, ge=0, le=1)
@@ -289,13 +314,16 @@ class TrainConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL estimate to the initial policy; 0 keeps no reference model."""
 
-    @model_validator(mode="after")
-    def _check_overlong(self):
-        if self.overlong_buffer > 0 and (self.overlong_max_length is None
-                                         or self.overlong_buffer > self.overlong_max_length):
-            raise ValueError(f"train.overlong_buffer = {self.overlong_buffer} needs "
-                             "train.overlong_max_length >= it (the generation budget)")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_overlong(cls, data):
+        moved = [k for k in ("overlong_buffer", "overlong_max_length", "overlong_penalty_factor")
+                 if isinstance(data, dict) and k in data]
+        if moved:
+            raise ValueError(f"train.{moved[0]} has moved: DAPO's soft overlong penalty is the "
+                             "filter's length channel. Use filter.reward={exact: 1, length: F} "
+                             "with filter.length_max (L_max) and filter.length_buffer (L_cache)")
+        return data
 
 
 class SFTConfig(Section):
@@ -412,6 +440,8 @@ def _format_error(err: ValidationError) -> str:
             guess = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
             hint = f" Did you mean '{guess[0]}'?" if guess else ""
             lines.append(f"unknown key '{where}'.{hint} Allowed here: {', '.join(allowed)}")
+        elif isinstance(e.get("input"), dict):  # a section-level check names its own keys
+            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{where} = {e.get('input')!r}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)

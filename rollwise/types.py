@@ -9,6 +9,7 @@ corrected exactly later on, instead of being treated as on-policy.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import uuid
 from dataclasses import dataclass, field
@@ -53,14 +54,37 @@ class Sample:
     step: int = -1  # training step whose batch this sample was generated for
     meta: dict[str, Any] = field(default_factory=dict)  # task data: answer, tier, text
 
-    def append(self, token: int, logprob: float, version: int, entropy: float | None = None,
-               trainable: bool = True) -> None:
-        self.response_ids.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        self.loss_mask.append(1 if trainable else 0)
-        if entropy is not None:
-            self.entropies.append(entropy)
+    def extend(self, tokens: list[int], logprobs: list[float], versions: list[int],
+               entropies: list[float] | None = None, trainable: bool = True) -> None:
+        """Append response tokens with their behaviour log-probabilities and versions (the one
+        way a sample grows: engine events, completions, resumed and forked requests)."""
+        self.response_ids += tokens
+        self.logprobs += logprobs
+        self.versions += versions
+        self.loss_mask += [int(trainable)] * len(tokens)
+        if entropies is not None:
+            self.entropies += entropies
+
+    def fork(self) -> "Sample":
+        """A child that continues from this sample's current end (its lineage: this parent
+        and the branch point); the per-token columns are copied, not shared."""
+        return dataclasses.replace(
+            self, uid=new_uid(), parent_uid=self.uid, branch_point=self.num_tokens,
+            response_ids=list(self.response_ids), logprobs=list(self.logprobs),
+            versions=list(self.versions), loss_mask=list(self.loss_mask),
+            entropies=list(self.entropies), rewards={}, meta=dict(self.meta))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, str, numbers): what checkpoints, the store and buffers keep."""
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (Status(v) if k == "status" else v) for k, v in d.items()
+                      if k in fields})
 
     @property
     def finished(self) -> bool:
@@ -90,6 +114,21 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
+
+    def to_dict(self) -> dict[str, Any]:
+        problem = self.problem
+        if dataclasses.is_dataclass(problem):
+            problem = dataclasses.asdict(problem)
+        return {"prompt_id": self.prompt_id, "samples": [s.to_dict() for s in self.samples],
+                "problem": problem}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Group":
+        from rollwise.tasks import Problem  # tasks import types; only the read needs Problem
+        problem = d["problem"]
+        if isinstance(problem, dict):
+            problem = Problem(**problem)
+        return cls(d["prompt_id"], [Sample.from_dict(s) for s in d["samples"]], problem)
 
     @property
     def is_mixed(self) -> bool:

@@ -120,7 +120,7 @@ def test_a_run_resumed_from_a_middle_checkpoint_equals_the_uninterrupted_one(tmp
     shutil.copytree(tmp_path / "ref", tmp_path / "resumed")
     shutil.rmtree(ckpt.listing(tmp_path / "resumed")[-1].path)  # resume from step 4 of 6
     state = ckpt.latest(tmp_path / "resumed").load()
-    assert state[name if name == "replay" else "generator"]  # the part under test is saved
+    assert state[name if name == "replay" else "inflight"]  # the part under test is saved
     train(load_config(tmp_path / "resumed" / "config.yaml", ["run.name=resumed"]), resume=True)
     assert compare(tmp_path / "ref", tmp_path / "resumed") == []
 

@@ -1,31 +1,50 @@
-"""APRIL partial rollouts: exact token-level carry-over across pause/resume and weight
-updates, exactly `want` groups per step, and no sample lost or returned twice."""
+"""APRIL partial rollouts, an in-flight controller over the i.i.d. group generator: exact
+token-level carry-over across pause/resume and weight updates, exactly `want` groups per
+step, and no sample lost or returned twice."""
 
 import copy
 import dataclasses
-import random
 
 import torch
 
-from rollwise.config import GenerateConfig
+from rollwise.config import Config, GenerateConfig
 from rollwise.engine import Engine
-from rollwise.stages.generate.partial_april import PartialRolloutGenerator
+from rollwise.stages.control.april import April
+from rollwise.stages.generate import generate_round
+from rollwise.stages.generate.group import GroupGenerator, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks import Problem
 from rollwise.types import Status
 
 
+class Rounds:
+    """APRIL over GroupGenerator with a fixed prompt stream, as the loop drives them."""
+
+    def __init__(self, tok, cfg: Config, april: April):
+        self.cfg, self.april = cfg, april
+        self.gen = GroupGenerator(cfg, tok)
+        # several stop ids so a random model's responses have very different lengths
+        self.params = dataclasses.replace(sampling_params(cfg.generate, tok.eos_token_id),
+                                          stop_ids=tuple(range(1, 14)))
+        problems = iter([Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer=str(2 * i))
+                         for i in range(1000)])
+        self.inflight = april
+        self.select = lambda n, step, ledger: [next(problems) for _ in range(n)]  # noqa: E731
+
+    @property
+    def carry(self):
+        return self.april.carry
+
+    def generate(self, engine, select, want, step, ledger):
+        return generate_round(engine, self.gen, self, self.params, want, step, ledger)
+
+
 def make(tiny, want=2, group_size=4, max_new=14):
     model, tok = tiny
-    gen = PartialRolloutGenerator(GenerateConfig(group_size=group_size, max_new_tokens=max_new),
-                                  tok, over_provision=2.0)
-    # several stop ids so a random model's responses have very different lengths
-    gen.params = dataclasses.replace(gen.params, stop_ids=tuple(range(1, 14)))
-    engine = Engine(model, pad_id=tok.pad_token_id, seed=0, max_batch=64)
-    problems = iter([Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer=str(2 * i))
-                     for i in range(1000)])
-    select = lambda n: [next(problems) for _ in range(n)]  # noqa: E731
-    return gen, engine, select
+    cfg = Config(generate=GenerateConfig(group_size=group_size, max_new_tokens=max_new))
+    gen = Rounds(tok, cfg, April(over_provision=2.0))
+    engine = Engine(model, seed=0, max_batch=64)
+    return gen, engine, None
 
 
 def full_forward_logprobs(model, sample):
@@ -95,9 +114,8 @@ def test_exactly_want_groups_and_nothing_lost_or_duplicated(tiny):
 def test_state_dict_round_trip_continues_identically(tiny):
     gen, engine, select = make(tiny)
     gen.generate(engine, select, 2, step=1, ledger=Ledger())
-    twin = PartialRolloutGenerator(gen.cfg, tiny[1], 2.0)
-    twin.params = gen.params
-    twin.load_state_dict(gen.state_dict())
+    twin = April(over_provision=2.0)
+    twin.load_state_dict(gen.april.state_dict())
     a = [[(s.uid, s.response_ids, s.logprobs, s.versions, s.status) for s in g.samples]
          for g in gen.carry]
     b = [[(s.uid, s.response_ids, s.logprobs, s.versions, s.status) for s in g.samples]

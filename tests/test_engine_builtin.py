@@ -20,7 +20,7 @@ def wild():
 
 
 def make(model, **kw):
-    return Engine(model, pad_id=0, **({"max_batch": 4, "segment": 4} | kw))
+    return Engine(model, **({"max_batch": 4, "segment": 4} | kw))
 
 
 @pytest.mark.parametrize("arch,heads,kv_heads", [("llama", 2, 2), ("qwen2", 4, 1)])

@@ -16,7 +16,7 @@ def wild():
 
 
 def make(model, **kw):
-    return Engine(model, pad_id=0, **({"max_batch": 3, "segment": SEGMENT} | kw))
+    return Engine(model, **({"max_batch": 3, "segment": SEGMENT} | kw))
 
 
 def test_greedy_matches_hf_generate(wild):

@@ -18,7 +18,7 @@ PROBLEMS = [Problem(f"p{i}", f"{i}+{i}=", str(2 * i), tier="ab"[i % 2]) for i in
 
 def test_sampled_pass1_is_the_mean_over_each_prompts_seeded_draws(tiny):
     model, tok = tiny
-    engine = Engine(model, pad_id=tok.pad_token_id)
+    engine = Engine(model)
     got = evaluate(engine, tok, PROBLEMS, parity, 8, samples=3, temperature=1.0)
     # the naive way: every draw on its own, one request at a time, averaged per prompt
     per_prompt = []
@@ -39,6 +39,6 @@ def test_sampled_pass1_is_the_mean_over_each_prompts_seeded_draws(tiny):
 def test_many_greedy_samples_are_refused(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="temperature > 0"):
-        evaluate(Engine(model, pad_id=tok.pad_token_id), tok, PROBLEMS, parity, 8, samples=4)
+        evaluate(Engine(model), tok, PROBLEMS, parity, 8, samples=4)
     with pytest.raises(ConfigError, match="run.eval_temperature"):
         load_config(None, ["run.eval_samples=4"])

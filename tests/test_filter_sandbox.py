@@ -139,14 +139,25 @@ def test_memory_bomb_hits_the_address_space_limit(world, guard):
     assert r.status == "memory" and "MemoryError" in r.reason, r
 
 
+# what each status's reason starts with (_supervisor.classify): whichever limit ends a program
+# first, the reason names it
+CAUSE = {"killed": "killed by SIG", "error": "exit ", "memory": "memory limit",
+         "cpu_time": "CPU time limit", "timeout": "wall-clock timeout",
+         "output_limit": "output over"}
+
+
 @GUARDS
 def test_deep_recursion_dies_alone(world, guard):
     code = "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)\n"
     r = run(world, code, guard)
-    # CPython 3.11 keeps Python frames off the C stack: the CPU, memory or stack limit ends
-    # it, or the wall clock when a busy machine gives it less than its CPU second in time
-    assert r.status in ("killed", "error", "memory", "cpu_time", "timeout"), r
-    assert any(w in r.reason for w in ("SIGSEGV", "Recursion", "Memory", "CPU time", "timeout"))
+    # CPython 3.11 keeps Python frames off the C stack, so which limit ends it depends on the
+    # machine's load: the CPU, memory or stack limit, the wall clock when a busy machine gives
+    # it less than its CPU second in time, or the output bound when a deep traceback prints.
+    # Each is a clean death with its cause named; the sandbox itself goes on working.
+    assert r.status in CAUSE, r
+    assert r.reason.startswith(CAUSE[r.status]), r
+    after = run(world, "print(6 * 7)\n", guard)
+    assert after.status == "ok" and after.stdout == "42\n", after
 
 
 @GUARDS

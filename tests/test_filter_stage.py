@@ -118,8 +118,14 @@ def test_user_verifier_class_fills_its_channels(task):
 
 
 def test_unknown_verifier_and_bad_import_are_clear_errors(task):
-    with pytest.raises(ValueError, match="unknown verifier 'exakt'"):
-        build_filter(FilterConfig(reward="exakt"), task)
+    # the config refuses an unknown name before any work, listing the known ones
+    with pytest.raises(ValueError, match="filter.reward = 'exakt': unknown verifier; choose "
+                                         "from exact, math"):
+        FilterConfig(reward="exakt")
+    with pytest.raises(ValueError, match="filter.reward = 'exakt'"):
+        FilterConfig(reward={"exact": 1.0, "exakt": 1.0})
+    with pytest.raises(ValueError, match="filter.reward = 'exakt': unknown verifier"):
+        build_filter(FilterConfig.model_construct(reward="exakt"), task)  # past validation
     with pytest.raises(ValueError, match="cannot import 'no_such_mod:fn'"):
         build_filter(FilterConfig(reward="no_such_mod:fn"), task)
 
@@ -252,7 +258,7 @@ def test_judge_with_a_real_engine_fails_unparseable_verdicts(tiny, task):
     p = task.eval[0]
     s, probs, texts = samples_for([p], [[p.solution, "1"]])
     stage = build_filter(FilterConfig(reward="judge", judge={"max_new_tokens": 4}), task)
-    stage.attach_engine(Engine(model, pad_id=tok.pad_token_id), tok)
+    stage.attach_engine(Engine(model), tok)
     m = stage.score(s, probs, texts)
     for x in s:  # either parsed or failed with the judge's words as the reason
         assert (x.status == Status.FAILED and "judge said" in x.reward_info) or \

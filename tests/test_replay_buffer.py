@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rollwise.config import ReplayConfig, load_config
 from rollwise.loop.sync import train
 from rollwise.stages.replay import PromptStats, ReplayBuffer, build_curriculum, replay_quota
-from rollwise.stages.replay.buffer import group_from_dict, group_to_dict, staleness
+from rollwise.stages.replay.buffer import staleness
 from rollwise.stages.replay.curriculum import frontier
 from rollwise.store.rollouts import RolloutStore
 from rollwise.tasks import Problem
@@ -93,7 +93,7 @@ def test_state_dict_round_trips_the_groups_in_order():
     assert list(copy.groups) == list(buf.groups) and copy.evicted == buf.evicted
     for a, b in zip(buf.groups.values(), copy.groups.values()):
         assert a.samples == b.samples and a.problem == b.problem
-    assert group_from_dict(group_to_dict(buf.groups["p5"])).samples == buf.groups["p5"].samples
+    assert Group.from_dict(buf.groups["p5"].to_dict()).samples == buf.groups["p5"].samples
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from rollwise.types import Batch, Group, Sample
 
 def _samples(tiny, n=6, seed=3):
     model, tok = tiny
-    engine = Engine(model, pad_id=tok.pad_token_id, seed=seed)
+    engine = Engine(model, seed=seed)
     prompts = ["12+34=", "  7-5=", "101+9="]
     reqs = [Request(tok(p)["input_ids"], SamplingParams(max_new_tokens=6), i)
             for i, p in enumerate(prompts * (n // 3))]
@@ -43,7 +43,7 @@ def test_one_rl_step_raises_the_rewarded_sample(tiny):
         s.reward = 1.0 if i == 0 else 0.0
     trainer = Trainer(model, TrainConfig(lr=1e-2, minibatches=1), pad_id=tok.pad_token_id)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = trainer.make_batch([group])
+    batch = Batch.from_samples(group.samples, [0.0] * 4, tok.pad_token_id)
     with torch.no_grad():
         lp0 = (token_logprobs(model, batch)[0] * batch.loss_mask).sum(-1)
     metrics = trainer.update([group])

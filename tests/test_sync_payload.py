@@ -28,6 +28,12 @@ class Holder:
              for n, t in tensors.items()})
         self.version = version
 
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def weights_written(self, version: int) -> None:
+        self.version = version
+
 
 def named(holder: Holder) -> dict[str, torch.Tensor]:
     return {k: v for k, v in holder.model.state_dict().items()}

@@ -19,7 +19,7 @@ from sync_helpers import rl_groups
 @pytest.fixture(scope="module")
 def proc(tiny):
     model, tok = tiny
-    p = EngineProcess(model, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=1)
+    p = EngineProcess(model, dtype=torch.bfloat16, seed=1)
     yield p
     p.close()
 
@@ -27,13 +27,13 @@ def proc(tiny):
 @pytest.fixture(scope="module")
 def socket_proc(tiny):
     model, tok = tiny
-    p = EngineProcess(model, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=1, wire="socket")
+    p = EngineProcess(model, dtype=torch.bfloat16, seed=1, wire="socket")
     yield p
     p.close()
 
 
 def in_process_engine(model, tok):
-    engine = Engine(model, pad_id=tok.pad_token_id, seed=1)
+    engine = Engine(model, seed=1)
     engine.model.to(torch.bfloat16)
     return engine
 
@@ -98,7 +98,7 @@ def test_refusals_cross_the_process_boundary_and_a_new_engine_gets_a_full_sync(t
         proc.apply(meta)
     assert proc.version == 0  # refused before any write
     sync.sender.reset()
-    second = EngineProcess(model, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=1)
+    second = EngineProcess(model, dtype=torch.bfloat16, seed=1)
     try:
         sync.push()  # full to `proc`; now the sender has a mirror ...
         sync.transport = ProcessTransport(second)  # ... that a new engine does not hold

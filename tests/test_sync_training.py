@@ -22,7 +22,7 @@ def make(tiny, lr: float, engine_dtype: torch.dtype, mode: str = "sparse"):
     model, tok = tiny
     model = copy.deepcopy(model)
     trainer = Trainer(model, TrainConfig(lr=lr, minibatches=2, steps=10), pad_id=tok.pad_token_id)
-    engine = Engine(model, pad_id=tok.pad_token_id, seed=1)
+    engine = Engine(model, seed=1)
     engine.model.to(engine_dtype)
     sync = WeightSync(trainer, InProcessTransport(engine), mode=mode)
     return trainer, engine, sync
@@ -55,7 +55,7 @@ def test_k_real_rl_steps_then_one_sparse_sync_is_bit_exact(tiny, engine_dtype, l
 def test_full_and_sparse_engines_stay_identical_over_a_run(tiny):
     _, tok = tiny
     trainer, sparse_engine, sparse = make(tiny, 1e-6, torch.bfloat16)
-    full_engine = Engine(trainer.model, pad_id=tok.pad_token_id, seed=1)
+    full_engine = Engine(trainer.model, seed=1)
     full_engine.model.to(torch.bfloat16)
     full = WeightSync(trainer, InProcessTransport(full_engine), mode="full")
     sparse.push(), full.push()

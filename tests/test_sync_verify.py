@@ -40,7 +40,7 @@ class LMTrainer:
 def setup(tiny, dtype=torch.bfloat16, lr=1e-3, **kw):
     model, tok = tiny
     trainer = LMTrainer(model, lr)
-    engine = Engine(trainer.model, pad_id=tok.pad_token_id)
+    engine = Engine(trainer.model)
     engine.model.to(dtype)
     sync = WeightSync(trainer, InProcessTransport(engine), mode="sparse", **kw)
     return trainer, engine, sync
@@ -191,17 +191,18 @@ def test_an_index_out_of_range_is_refused(tiny, coding):
 
 def test_build_sync_refuses_an_engine_that_does_not_match_the_config(tiny):
     from rollwise.config import Config
-    from rollwise.sync import build_engine, build_sync
+    from rollwise.engine.backends import build_engine
+    from rollwise.sync import build_sync
     model, tok = tiny
     trainer = LMTrainer(model)
     cfg = Config.model_validate({"sync": {"mode": "sparse", "engine_dtype": "bfloat16"}})
-    engine = build_engine(cfg, trainer.model, pad_id=tok.pad_token_id)
+    engine = build_engine(cfg, trainer.model)
     assert engine.model.model.norm.weight.dtype == torch.bfloat16
     sync = build_sync(cfg.sync, trainer, engine)
     trainer.step()
     assert sync.push()["sync/bytes"] > 0 and engine.version == 1
     with pytest.raises(ValueError, match="sync.transport=process.*build_engine"):
         build_sync(cfg.sync.model_copy(update={"transport": "process"}), trainer, engine)
-    fp32 = Engine(trainer.model, pad_id=tok.pad_token_id)
+    fp32 = Engine(trainer.model)
     with pytest.raises(ValueError, match="engine_dtype=bfloat16.*float32"):
         build_sync(cfg.sync, trainer, fp32)

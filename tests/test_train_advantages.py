@@ -6,7 +6,8 @@ import statistics
 import pytest
 import torch
 
-from rollwise.train.advantages import (ADVANTAGES, AdvantageInputs, compute_advantages,
+from rollwise import registry
+from rollwise.train.advantages import (AdvantageInputs, compute_advantages,
                                        get_advantage, get_token_shaping)
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0,  # group 0: five samples
@@ -141,11 +142,12 @@ def test_gdpo_needs_channels_and_rejects_unknown_weight_names():
 
 
 def test_registry_errors_name_the_field_and_choices():
-    with pytest.raises(KeyError, match="train.advantage.*grpo"):
+    with pytest.raises(ValueError, match="train.advantage.*grpo"):
         get_advantage("nope")
-    with pytest.raises(KeyError, match="cannot import"):
+    with pytest.raises(ValueError, match="cannot import"):
         get_token_shaping("no_such_module_xyz:fn")
-    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo", "gdpo"} <= set(ADVANTAGES)
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo", "gdpo"} <= \
+        set(registry.names("advantage"))
 
 
 def test_token_shaping_hook_resolves_dotted_paths():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollwise.config import TrainConfig, load_config
-from rollwise.train.advantages import ADVANTAGES
+from rollwise import registry
 from rollwise.train.trainer import Trainer, token_logprobs
 from rollwise.types import Batch
 from train_helpers import capture_grads, clone, make_groups
@@ -51,7 +51,7 @@ def test_prepared_tensors_carry_no_gradient(tiny, groups):
     assert all(not p.requires_grad for p in trainer.ref_model.parameters())
 
 
-@pytest.mark.parametrize("advantage", sorted(ADVANTAGES))
+@pytest.mark.parametrize("advantage", sorted(registry.names("advantage")))
 @pytest.mark.parametrize("loss", ["ppo_clip", "dual_clip", "gspo"])
 def test_every_named_choice_updates_and_stays_finite(tiny, groups, advantage, loss):
     model, tok = tiny

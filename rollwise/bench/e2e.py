@@ -91,7 +91,7 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
         # original model, which a deepcopy would keep calling.
         clone = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
         clone.load_state_dict(model.state_dict())
-        engine = Engine(clone.eval(), pad_id=tok.pad_token_id, max_batch=cfg.engine.max_batch,
+        engine = Engine(clone.eval(), max_batch=cfg.engine.max_batch,
                         copy_model=False)
         return evaluate(engine, tok, task.eval, scorer, cfg.generate.max_new_tokens)
     out_dir = Path(cfg.run.root) / cfg.run.name

@@ -71,7 +71,7 @@ def build_model(preset: str, model_dir: str | None):
 
 def run_builtin(model, prompts, lengths, slots) -> int:
     from rollwise.engine import Engine, Request, SamplingParams
-    engine = Engine(model, pad_id=0, max_batch=slots, copy_model=False)
+    engine = Engine(model, max_batch=slots, copy_model=False)
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=n), i)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
     return sum(len(c.token_ids) for c in engine.generate(reqs))

@@ -112,7 +112,7 @@ def tiny_rows(args) -> list[dict]:
     to_bf16_grid(model0)
     task = load_task(TaskConfig(train_size=2000, eval_size=10))
     rows = []
-    proc = EngineProcess(model0, dtype=torch.bfloat16, pad_id=tok.pad_token_id, seed=args.seed,
+    proc = EngineProcess(model0, dtype=torch.bfloat16, seed=args.seed,
                          wire=args.wire)
     try:
         for lr in args.tiny_lrs:
@@ -207,7 +207,7 @@ def large_rows(args) -> list[dict]:
     params = sum(p.numel() for p in model.parameters())
     log(args, f"0.5b: {params / 1e9:.3f}B parameters built in {time.perf_counter() - t0:.0f}s")
     trainer = LeanTrainer(model)
-    proc = EngineProcess(model, dtype=torch.bfloat16, pad_id=0, seed=args.seed, wire=args.wire)
+    proc = EngineProcess(model, dtype=torch.bfloat16, seed=args.seed, wire=args.wire)
     rows = []
     try:
         for lr in args.lrs:

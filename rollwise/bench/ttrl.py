@@ -50,7 +50,7 @@ def score_model(model_dir: str, rows: list[dict], votes: int, temperature: float
     from rollwise.stages.filter.extract import normalize
     from rollwise.stages.filter.majority import majority_label
     model, tok = models.load_model(model_dir)
-    engine = Engine(model, pad_id=tok.pad_token_id, seed=seed, copy_model=False)
+    engine = Engine(model, seed=seed, copy_model=False)
 
     def sample(temp: float, n: int) -> dict[int, list[str]]:
         params = SamplingParams(temperature=temp, max_new_tokens=8, stop_ids=(tok.eos_token_id,))

@@ -1,6 +1,6 @@
 """The built-in engine: continuous batching for any Hugging Face causal LM, token in, token out.
 
-    engine = Engine(model, pad_id=tok.pad_token_id, max_batch=64)
+    engine = Engine(model, max_batch=64)
     completions = engine.generate([Request(ids, SamplingParams(max_new_tokens=32), i) ...])
 
 or, step by step (what trees, partial rollouts and pruning use):
@@ -72,14 +72,13 @@ def completion_of(seq: Sequence) -> Completion:
 class Engine:
     """Continuous batching over `max_batch` KV slots; see the module docstring."""
 
-    def __init__(self, model, *, pad_id: int, max_batch: int = 1024, seed: int = 0,
+    def __init__(self, model, *, max_batch: int = 1024, seed: int = 0,
                  version: int = 0, copy_model: bool = True, segment: int = 16,
                  kv_budget_tokens: int | None = None, max_prefill_tokens: int = 8192):
         if copy_model:
             model = copy.deepcopy(model)
             model.eval().requires_grad_(False)
         self.runner = Runner(model)
-        self.pad_id = pad_id  # kept for callers; the flat layout never pads
         self.max_batch = max_batch
         self.version = version
         self.tokens_generated = 0
@@ -117,6 +116,15 @@ class Engine:
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
+
+    def state_dict(self) -> dict:
+        """The request-seed stream and id counter: requests without a seed draw from it, so a
+        restored engine samples what an uninterrupted one would."""
+        return {"seeds": self._seeds.getstate(), "next_id": self._next_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seeds.setstate(state["seeds"])
+        self._next_id = state["next_id"]
 
     def _stream(self, seed: int | None) -> SeedStream:
         return SeedStream(seed if seed is not None else self._seeds.getrandbits(63))
@@ -287,6 +295,14 @@ class Engine:
         self.scheduler.resume(seq_id)
 
     # ---- weights ------------------------------------------------------------------------------
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The live model's tensors (tied weights under each name, one storage)."""
+        return self.model.state_dict()
+
+    def weights_written(self, version: int) -> None:
+        """Generation reads the model's tensors directly: only the version changes."""
+        self.version = version
+
     def load_weights(self, weights: Mapping[str, torch.Tensor | SparseUpdate | tuple],
                      version: int) -> None:
         """Write new weights in place: a tensor replaces the named tensor, a SparseUpdate (or an
@@ -306,7 +322,7 @@ class Engine:
                     target.copy_(value)
                 else:
                     _scatter(name, target, *value)
-        self.version = version
+        self.weights_written(version)
 
 
 def _stop_table(params: list[SamplingParams], device: torch.device) -> torch.Tensor | None:

@@ -87,6 +87,14 @@ class VLLMEngine:
         self._next_id += 1
         return self._next_id - 1
 
+    def state_dict(self) -> dict:
+        """The request-seed stream and id counter (as the built-in engine's)."""
+        return {"seeds": self._seeds.getstate(), "next_id": self._next_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seeds.setstate(state["seeds"])
+        self._next_id = state["next_id"]
+
     def _submit(self, seq: Sequence, seed: int) -> None:
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
@@ -224,7 +232,7 @@ class VLLMEngine:
                      version: int) -> None:
         """Apply full or sparse updates to the Hugging Face-layout copy, reload all weights into
         vLLM in place, and drop cached prefixes computed with the old weights."""
-        mirror = self._weights()
+        mirror = self.weight_tensors()
         for name, value in weights.items():
             key = "model.embed_tokens.weight" if name == "lm_head.weight" and self._tied \
                 and name not in mirror else name
@@ -237,14 +245,21 @@ class VLLMEngine:
                 mirror[key].copy_(value)
             else:
                 _scatter(name, mirror[key], *value)
+        self.weights_written(version)
+
+    def weights_written(self, version: int) -> None:
+        """Reload the whole mirror into vLLM in place (its CPU kernels repack weights, so they
+        cannot be written directly), and drop cached prefixes computed with the old weights."""
         self.llm.collective_rpc("reload_weights", kwargs=dict(
-            weights_iterator=list(mirror.items()), is_checkpoint_format=True))
+            weights_iterator=list(self.weight_tensors().items()), is_checkpoint_format=True))
         if self._tied:
             self.llm.apply_model(_retie_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
 
-    def _weights(self) -> dict[str, torch.Tensor]:
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights in Hugging Face layout, as loaded from the model folder and updated
+        since; weight sync writes here, then calls weights_written."""
         if self._mirror is None:
             from safetensors.torch import load_file
             files = sorted(self.model_path.glob("*.safetensors"))

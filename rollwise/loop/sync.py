@@ -1,4 +1,5 @@
-"""The synchronous, on-policy RL loop: select -> generate -> score -> persist -> train -> sync.
+"""The synchronous, on-policy RL loop: Generate -> Filter -> Control -> Replay, persist, train,
+sync, over the stage objects of rollwise.stages (each a Protocol, chosen by name).
 
     rollwise train                      # the default embedded CPU run
     rollwise train train.steps=100 run.name=longer
@@ -19,25 +20,26 @@ import torch
 
 from rollwise import models
 from rollwise.config import Config, dump_config
+from rollwise.engine.backends import build_engine
 from rollwise.evaluate import evaluate
+from rollwise.loop.metrics import StepResult, step_metrics
 from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
-from rollwise.stages.control import build_selector
-from rollwise.stages.filter import build_filter, make_scorer
-from rollwise.stages.generate.group import GroupGenerator
-from rollwise.stages.generate.partial_april import PartialRolloutGenerator
+from rollwise.stages.control.stage import Control
+from rollwise.stages.filter import eval_scorer
+from rollwise.stages.filter.groups import build_group_filter, keep
+from rollwise.stages.generate import build_generator, generate_round
+from rollwise.stages.generate.group import sampling_params
 from rollwise.stages.ledger import Ledger
-from rollwise.stages.replay import (ReplayBuffer, build_curriculum, replay_metrics,
-                                    replay_quota)
+from rollwise.stages.replay import build_replay
 from rollwise.store import checkpoint as ckpt
 from rollwise.store import killpoint
 from rollwise.store.rollouts import RolloutStore
-from rollwise.sync import build_engine, build_sync
+from rollwise.sync import build_sync
 from rollwise.tasks import load_task
 from rollwise.train.sft import warm_start
-from rollwise.train.group_filters import Decision, judge_group
 from rollwise.train.trainer import Trainer
-from rollwise.types import Group, Status
+from rollwise.types import Group
 
 
 def seed_everything(seed: int) -> None:
@@ -56,7 +58,7 @@ def initial_model(cfg: Config, task, progress: Progress):
 
 
 class Run:
-    """Holds the parts of one training run; `step()` is one pass of the loop."""
+    """Holds the stages and parts of one training run; `step()` is one pass of the loop."""
 
     def __init__(self, cfg: Config, progress: Progress, resume: bool = False):
         self.cfg, self.progress = cfg, progress
@@ -71,25 +73,20 @@ class Run:
         (self.dir / "config.yaml").write_text(dump_config(cfg))
         self.task = load_task(cfg.task)
         model, self.tokenizer = initial_model(cfg, self.task, progress)
-        self.pad_id = self.tokenizer.pad_token_id
-        self.trainer = Trainer(model, cfg.train, pad_id=self.pad_id, seed=cfg.run.seed)
-        self.engine = build_engine(cfg, model, pad_id=self.pad_id)  # here or a child process
+        self.trainer = Trainer(model, cfg.train, pad_id=self.tokenizer.pad_token_id,
+                               seed=cfg.run.seed)
+        self.engine = build_engine(cfg, model, self.tokenizer, self.dir)
         self.sync = build_sync(cfg.sync, self.trainer, self.engine)
-        self.filter = build_filter(cfg.filter, self.task)
+        self.rng = random.Random(cfg.run.seed)
+        self.filter = build_group_filter(cfg, self.task, self.tokenizer)
         if cfg.filter.judge.model is None:  # a judge with no model of its own: the policy
             self.filter.attach_engine(self.engine, self.tokenizer)
-        self.selector = build_selector(cfg.control)
-        self.generator = (PartialRolloutGenerator(cfg.generate, self.tokenizer,
-                                                  cfg.control.over_provision)
-                          if cfg.control.inflight == "april"
-                          else GroupGenerator(cfg.generate, self.tokenizer))
-        self.eval_scorer = make_scorer("exact" if cfg.filter.reward not in ("math_verify",)
-                                       else cfg.filter.reward, self.task)
+        self.control = Control(cfg, self.task, self.rng)
+        self.generator = build_generator(cfg, self.tokenizer)
+        self.params = sampling_params(cfg.generate, self.tokenizer.eos_token_id)
+        self.replay = build_replay(cfg)
+        self.eval_scorer = eval_scorer(cfg.filter, self.task)
         self.store = RolloutStore(self.dir / "rollouts", log=progress.log)  # repairs a crash
-        self.replay = ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness) \
-            if cfg.replay.enabled else None
-        self.curriculum = build_curriculum(cfg.replay)
-        self.rng = random.Random(cfg.run.seed)
         self.totals = {"rollouts": 0, "tokens_generated": 0, "tokens_trained": 0}
         self.current_step = 0
         killpoint.instrument(self)  # crash tests only (ROLLWISE_KILL_AT)
@@ -99,125 +96,50 @@ class Run:
         return evaluate(self.engine, self.tokenizer, self.task.eval, self.eval_scorer,
                         self.cfg.generate.max_new_tokens, run.eval_samples, run.eval_temperature)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def step(self, step: int) -> dict[str, float]:
-        """One pass of Generate -> Filter -> Control -> Replay, then train and sync."""
+    def step(self, step: int) -> StepResult:
+        """Generate -> Filter -> Control -> Replay, persist, train, sync: one pass."""
         assert self.engine.version == self.trainer.version, "engine holds stale weights"
-        t0 = time.time()
-        self.current_step, ledger, m = step, Ledger(), {}
-        replayed = self.take_replay(m)  # Replay: groups reused from the buffer, kept stale
-        decoded0 = self.engine.tokens_generated
-        groups, scored = self.collect(step, ledger, m,
-                                      self.cfg.control.prompts_per_step - len(replayed))
+        t0, ledger, version = time.time(), Ledger(), self.trainer.version
+        self.current_step, decoded0 = step, self.engine.tokens_generated
+        want = self.cfg.control.prompts_per_step
+        replayed = self.replay.take(want, version, self.rng)                   # Replay
+        r = StepResult(step, [], [], ledger, version, 0,
+                       replay=self.replay.metrics(replayed, want, version))
+        kept, want = [], want - len(replayed)
+        for n in self.control.rounds(want, kept):                              # Control
+            self.progress.phase("generate")
+            groups = generate_round(self.engine, self.generator, self.control,  # Generate
+                                    self.params, n, step, ledger)
+            self.progress.phase("score")
+            _add(r.filter, self.filter.score(groups))                          # Filter
+            r.scored += groups
+            kept += [g for g in groups if keep(self.filter, g, ledger)]
+        r.trained = self.control.trim(kept, want, ledger) + replayed
         # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
         # carry tokens decoded in earlier steps and leave some of this step's in flight
-        n_decoded = self.engine.tokens_generated - decoded0
-        m["perf/gen_seconds"] = time.time() - t0
-        self.persist(step, scored, {"step_gen_seconds": m["perf/gen_seconds"]})
-        # every scored sample is on disk before training
-        # Train, then sync the new weights into the engine
+        r.decoded = self.engine.tokens_generated - decoded0
+        r.seconds["gen"] = time.time() - t0
+        self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
         self.progress.phase("train")
         t1 = time.time()
-        groups = groups + replayed
-        m.update(self.trainer.update(groups))
-        m["perf/train_seconds"] = time.time() - t1
+        r.train = self.trainer.update(r.trained)                               # train
+        r.seconds["train"], r.version = time.time() - t1, self.trainer.version
         self.progress.phase("sync")
-        m.update(self.sync.push())
-        # Control learns from every scored group, kept or not
-        outcomes = {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples))
-                    for g in scored}
-        self.selector.observe(outcomes, step)
-        if self.curriculum is not None:
-            self.curriculum.observe(outcomes, step)
-        if self.replay is not None:
-            self.replay.put(scored)  # fresh groups with a signal; replayed ones stay as they are
-        samples = [s for g in scored for s in g.samples]
-        n_gen = sum(s.num_tokens for s in samples)
-        # trained tokens of this step's generation (replayed ones are counted under replay/)
-        ledger.tokens_to("trained", int(m.get("train/tokens", 0) - m.get("replay/tokens", 0)))
+        r.sync = self.sync.push()                                              # sync
+        self.control.observe(r.scored, step)  # Control and Replay learn from every scored group
+        self.replay.put(r.scored)
+        self.count(r)
+        r.seconds["step"] = time.time() - t0
+        return r
+
+    def count(self, r: StepResult) -> None:
+        samples = [s for g in r.scored for s in g.samples]
         self.totals["rollouts"] += len(samples)
-        self.totals["tokens_generated"] += n_gen
-        self.totals["tokens_trained"] += int(m.get("train/tokens", 0))
-        m.update(ledger.metrics())
-        m.update({
-            "step": step, "reward/mean": sum(s.reward for s in samples) / len(samples),
-            "groups/mixed_share": sum(g.is_mixed for g in scored) / len(scored),
-            "groups/scored": len(scored), "groups/trained": len(groups),
-            "tokens/batch": sum(s.num_tokens for g in groups for s in g.samples),
-            "tokens/stale": sum(v < self.trainer.version - 1 for g in groups for s in g.samples
-                                for v in s.versions),
-            "tokens/generated": n_gen, "tokens/decoded": n_decoded,
-            "response/length_mean": n_gen / len(samples),
-            "samples/total": len(samples),
-            "samples/truncated": sum(s.status == Status.TRUNCATED for s in samples),
-            "perf/gen_tokens_per_s": n_decoded / max(m["perf/gen_seconds"], 1e-9),
-            "perf/step_seconds": time.time() - t0, "policy/version": self.trainer.version,
-        })
-        return m
+        self.totals["tokens_generated"] += sum(s.num_tokens for s in samples)
+        self.totals["tokens_trained"] += int(r.train.get("train/tokens", 0))
 
-    def take_replay(self, m: dict) -> list[Group]:
-        """replay.share of the batch from the buffer, none beyond replay.max_staleness."""
-        if self.replay is None:
-            return []
-        batch, version = self.cfg.control.prompts_per_step, self.trainer.version
-        n = replay_quota(self.cfg.replay.share, batch, self.replay.eligible(version))
-        replayed = self.replay.take(n, version, self.rng)
-        m.update(replay_metrics(replayed, batch, version, self.replay))
-        return replayed
-
-    def collect(self, step: int, ledger: Ledger, m: dict,
-                want: int | None = None) -> tuple[list[Group], list[Group]]:
-        """Control picks prompts, Generate samples groups, Filter scores and keeps them. With
-        control.dynamic_sampling, refill until `want` (default prompts_per_step) groups carry a
-        signal (DAPO); control.refill=full generates a whole batch every round, as verl does."""
-        cfg = self.cfg
-        want = cfg.control.prompts_per_step if want is None else want
-        kept, scored = [], []
-        for _ in range(cfg.control.max_rounds if cfg.control.dynamic_sampling else 1):
-            self.progress.phase("generate")
-            n = want if cfg.control.refill == "full" else want - len(kept)
-            groups = self.generate(n, step, ledger)
-            self.progress.phase("score")
-            self.score(groups, m)
-            scored += groups
-            for g in groups:
-                decision = judge_group(g, cfg.train) if cfg.filter.drop_equal_reward_groups \
-                    else Decision(True, "")
-                tokens = sum(s.num_tokens for s in g.samples)
-                if decision.keep:
-                    kept.append(g)
-                else:
-                    ledger.decide("filter", "drop", decision.reason)
-                    ledger.tokens_to(f"filtered/{decision.reason}", tokens)
-            if len(kept) >= want:
-                break
-        if len(kept) > want:  # dynamic sampling trains on exactly prompts_per_step groups
-            for g in kept[want:]:
-                ledger.decide("filter", "drop", "batch_full")
-                ledger.tokens_to("filtered/batch_full", sum(s.num_tokens for s in g.samples))
-            kept = kept[:want]
-        return kept, scored
-
-    def generate(self, n: int, step: int, ledger: Ledger) -> list[Group]:
-        """n groups: Control selects prompts, the generator samples them."""
-        def select(k: int):
-            ledger.decide("control", "select", self.cfg.control.selector, k)
-            pool = self.task.train if self.curriculum is None \
-                else self.curriculum.pool(self.task.train, step)
-            return self.selector.select(pool, k, self.rng)
-        if isinstance(self.generator, PartialRolloutGenerator):
-            return self.generator.generate(self.engine, select, n, step, ledger)
-        return self.generator.generate(self.engine, select(n), step)
-
-    def score(self, groups: list[Group], m: dict) -> None:
-        """Filter: reward every sample (a failing verifier marks its sample failed)."""
-        samples = [s for g in groups for s in g.samples]
-        problems = [g.problem for g in groups for _ in g.samples]
-        texts = [self.decode(s.response_ids) for s in samples]
-        for k, v in self.filter.score(samples, problems, texts).items():
-            m[k] = m.get(k, 0.0) + v
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def persist(self, step: int, groups: list[Group], timings: dict | None = None) -> None:
         samples = [s for g in groups for s in g.samples]
@@ -228,14 +150,14 @@ class Run:
     # ------------------------------------------------------------------ checkpoint and resume
     def parts(self) -> dict:
         """The stateful parts beside the trainer: their state_dict goes into checkpoints."""
-        return {"selector": self.selector, "generator": self.generator, "replay": self.replay,
-                "curriculum": self.curriculum, "filter": self.filter}
+        return {**self.control.parts(), "generator": self.generator, "replay": self.replay,
+                "filter": self.filter}
 
     def state_dict(self) -> dict:
         """Everything a resume needs to continue exactly as an uninterrupted run would: model,
         optimizer, scheduler and version; every RNG (the run's, python, numpy, torch, the
-        engine's seed stream); selector, generator (paused partial rollouts), replay buffer and
-        per-prompt statistics; totals."""
+        engine's seed stream); selector, in-flight controller (paused partial rollouts),
+        generator, replay buffer and per-prompt statistics; totals."""
         return {"trainer": ckpt.trainer_state(self.trainer), "rng": ckpt.rng_state(self.rng),
                 "engine": ckpt.engine_state(self.engine), "totals": dict(self.totals),
                 **{k: p.state_dict() for k, p in self.parts().items()
@@ -296,7 +218,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False) -
     every, stopped = cfg.run.checkpoint_every, None
     with ckpt.StopOnInterrupt(progress.log) as stop:
         for step in range(run.current_step + 1, cfg.train.steps + 1):
-            m = run.step(step)
+            m = step_metrics(run.step(step))
             if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
                 progress.phase("eval")
                 last_eval = run.evaluate()
@@ -340,6 +262,11 @@ def write_report_safely(run_dir: Path, log) -> None:
     except Exception as e:  # the run's results are already on disk
         log(f"report.html not written ({type(e).__name__}: {e}); "
             f"retry with 'rollwise report {run_dir}'")
+
+
+def _add(into: dict[str, float], metrics: dict[str, float]) -> None:
+    for k, v in metrics.items():
+        into[k] = into.get(k, 0.0) + v
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -64,13 +64,14 @@ def build(cfg: ModelConfig, seed: int = 0):
     return tiny_model(cfg, len(tok), tok.pad_token_id, tok.eos_token_id), tok
 
 
-def save(model, tokenizer, path: str | Path) -> None:
-    """Save as a Hugging Face folder (safetensors), atomically: write aside, then rename."""
+def save(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> None:
+    """Save as a Hugging Face folder (safetensors), atomically: write aside, then rename.
+    state_dict: other values for the model's tensors (e.g. cast to an engine's dtype)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     import shutil
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)

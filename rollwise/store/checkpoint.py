@@ -140,28 +140,16 @@ def set_rng_state(state: dict, run_rng: random.Random) -> None:
 
 
 def engine_state(engine) -> dict | None:
-    """The engine's request-seed stream (requests without a seed draw theirs from it)."""
-    if hasattr(engine, "state_dict"):
-        return {"state_dict": engine.state_dict()}
-    seeds = getattr(engine, "_seeds", None)
-    if seeds is None:
-        return None
-    return {"seeds": seeds.getstate(), "next_id": getattr(engine, "_next_id", 0)}
+    """The engine's own state (its request-seed stream: requests without a seed draw from it)."""
+    return engine.state_dict() if hasattr(engine, "state_dict") else None
 
 
 def set_engine_state(engine, state: dict | None) -> bool:
     """Restore engine_state's result; False when this engine cannot take it (then sampling
     after the resume differs from an uninterrupted run)."""
-    if state is None:
+    if state is None or not hasattr(engine, "load_state_dict"):
         return False
-    if "state_dict" in state and hasattr(engine, "load_state_dict"):
-        engine.load_state_dict(state["state_dict"])
-        return True
-    seeds = getattr(engine, "_seeds", None)
-    if seeds is None or "seeds" not in state:
-        return False
-    seeds.setstate(state["seeds"])
-    engine._next_id = state["next_id"]
+    engine.load_state_dict(state)
     return True
 
 

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollwise.store.fsio import atomic_write, fsync_dir, write_durable
-from rollwise.types import Sample, Status
+from rollwise.types import Sample
 
 SCHEMA = pa.schema([
     ("uid", pa.string()), ("prompt_id", pa.string()), ("group_id", pa.string()),
@@ -55,25 +55,14 @@ FILE = re.compile(r"step-(\d{6,})(?:-(\d{2,}))?\.(parquet|jsonl)$")
 
 def sample_row(s: Sample, prompt_text: str = "", response_text: str = "",
                timings: dict[str, float] | None = None) -> dict:
-    return {"uid": s.uid, "prompt_id": s.prompt_id, "group_id": s.group_id,
-            "parent_uid": s.parent_uid, "branch_point": s.branch_point, "step": s.step,
-            "status": s.status.value, "prompt_ids": s.prompt_ids,
-            "response_ids": s.response_ids, "logprobs": s.logprobs, "versions": s.versions,
-            "loss_mask": s.loss_mask, "entropies": s.entropies,
-            "rewards": json.dumps(s.rewards), "reward": s.reward, "reward_info": s.reward_info,
-            "prompt_text": prompt_text, "response_text": response_text,
-            "meta": json.dumps(s.meta, default=str), "timings": json.dumps(timings or {})}
+    return {**s.to_dict(), "rewards": json.dumps(s.rewards),
+            "meta": json.dumps(s.meta, default=str), "prompt_text": prompt_text,
+            "response_text": response_text, "timings": json.dumps(timings or {})}
 
 
 def row_sample(row: dict) -> Sample:
-    return Sample(prompt_id=row["prompt_id"], prompt_ids=list(row["prompt_ids"]),
-                  response_ids=list(row["response_ids"]), logprobs=list(row["logprobs"]),
-                  versions=list(row["versions"]), loss_mask=list(row["loss_mask"]),
-                  entropies=list(row["entropies"]), status=Status(row["status"]),
-                  rewards=json.loads(row["rewards"]), reward=row["reward"],
-                  reward_info=row["reward_info"], uid=row["uid"], group_id=row["group_id"],
-                  parent_uid=row["parent_uid"], branch_point=row["branch_point"],
-                  step=row["step"], meta=json.loads(row["meta"]))
+    return Sample.from_dict({**row, "rewards": json.loads(row["rewards"]),
+                             "meta": json.loads(row["meta"])})
 
 
 def step_of(path: Path) -> int:

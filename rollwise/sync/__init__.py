@@ -2,12 +2,12 @@
 payloads (only the elements whose stored value changed, exactly), verified by version and
 checksum, in-process or to an engine in a child process through shared memory.
 
-    engine = build_engine(cfg, model, pad_id=tok.pad_token_id)   # sync.transport picks where
+    engine = build_engine(cfg, model)   # rollwise.engine.backends; sync.transport picks where
     sync = build_sync(cfg.sync, trainer, engine)
     trainer.update(groups); metrics = sync.push()
 """
 
-from rollwise.sync.engine_proc import EngineProcess, build_engine
+from rollwise.sync.engine_proc import EngineProcess
 from rollwise.sync.errors import (ChecksumError, CorruptPayloadError, EngineProcessError,
                                   StaleEngineError, SyncError, WeightMismatchError)
 from rollwise.sync.receiver import Receiver
@@ -17,4 +17,4 @@ from rollwise.sync.weight_sync import WeightSync, build_sync
 
 __all__ = ["ChecksumError", "CorruptPayloadError", "EngineProcess", "EngineProcessError",
            "InProcessTransport", "ProcessTransport", "Receiver", "Sender", "StaleEngineError",
-           "SyncError", "WeightMismatchError", "WeightSync", "build_engine", "build_sync"]
+           "SyncError", "WeightMismatchError", "WeightSync", "build_sync"]

@@ -1,15 +1,15 @@
 """An engine in a child process on this machine: the trainer and the rollout engine apart, as
 in a disaggregated setup, with weights arriving through shared memory.
 
-    proc = EngineProcess(model, pad_id=tok.pad_token_id, seed=0, dtype=torch.bfloat16)
+    proc = EngineProcess(model, seed=0, dtype=torch.bfloat16)
     completions = proc.generate(requests)        # runs in the child, same results as in-process
     sync = build_sync(cfg.sync, trainer, proc)   # full or sparse payloads via shared memory
     proc.close()
 
 The child builds the model skeleton from the parent's config without initialising it (meta
 device), copies the parent's buffers, and receives every weight as a verified full payload, so
-it holds bit for bit what an in-process `Engine(model)` would. `build_engine(cfg, model, ...)`
-picks in-process or child process from `sync.transport`.
+it holds bit for bit what an in-process `Engine(model)` would. The built-in backend
+(rollwise.engine.backends.builtin) picks in-process or child process from `sync.transport`.
 """
 
 from __future__ import annotations
@@ -282,17 +282,3 @@ def _child_main(conn, init: dict) -> None:
             conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
     if arena is not None:
         arena.close()
-
-
-def build_engine(cfg, model, *, pad_id: int):
-    """The engine `cfg.sync` asks for: in this process, or in a child process
-    (`sync.transport=process`), with weights in `sync.engine_dtype`."""
-    from rollwise.engine import Engine
-    kwargs = dict(pad_id=pad_id, max_batch=cfg.engine.max_batch, seed=cfg.run.seed)
-    dtype = None if cfg.sync.engine_dtype == "same" else to_dtype(cfg.sync.engine_dtype)
-    if cfg.sync.transport in WIRES:
-        return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport], **kwargs)
-    engine = Engine(model, **kwargs)
-    if dtype is not None:
-        engine.model.to(dtype)
-    return engine

@@ -42,7 +42,7 @@ class Receiver:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The engine's weights, read afresh each time (the engine may rebuild its model)."""
-        return unique_tensors(self.engine.model.state_dict())
+        return unique_tensors(self.engine.weight_tensors())
 
     def state(self) -> EngineState:
         return EngineState(specs(self.tensors()), self.engine.version, self.held)
@@ -66,13 +66,13 @@ class Receiver:
                         flat.index_copy_(0, indices.long(), values)
             t1 = time.perf_counter()
             self._verify(meta, own)
+            self.engine.weights_written(meta.version)
         except Exception as e:
             self.engine.version = -1  # the weights are now neither the old nor the new version
             if isinstance(e, SyncError):
                 raise
             raise CorruptPayloadError(f"applying the payload for version {meta.version} failed "
                                       f"({type(e).__name__}: {e}); send a full sync") from e
-        self.engine.version = meta.version
         self.held = meta.digest
         t2 = time.perf_counter()
         return Ack(meta.version, {"apply": t1 - t0, "verify": t2 - t1})

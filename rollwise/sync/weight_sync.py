@@ -114,14 +114,14 @@ def check_same_tensors(trainer_spec, engine_spec) -> None:
 
 def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
     """The weight sync `cfg` asks for between this trainer and this engine (an in-process
-    `Engine` or an `EngineProcess`, see `build_engine`)."""
+    `Engine`, an `EngineProcess` or a vLLM engine; rollwise.engine.backends.build_engine)."""
     from rollwise.sync.engine_proc import WIRES, EngineProcess
     in_child = isinstance(engine, EngineProcess)
     wire = WIRES.get(cfg.transport)
     if in_child != (wire is not None) or (in_child and engine.wire != wire):
         where = (f"a child process (wire {engine.wire})" if in_child else "this process")
         raise ValueError(f"sync.transport={cfg.transport} but the engine lives in {where}; "
-                         f"build it with rollwise.sync.build_engine(cfg, model, pad_id=...)")
+                         f"build it with rollwise.engine.backends.build_engine(cfg, model)")
     transport = ProcessTransport(engine) if in_child else InProcessTransport(engine)
     if cfg.engine_dtype != "same":
         wrong = {n: s.dtype for n, s in transport.state().spec.items()
@@ -129,6 +129,6 @@ def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
         if wrong:
             raise ValueError(f"sync.engine_dtype={cfg.engine_dtype} but the engine holds "
                              f"{sorted(set(wrong.values()))} weights (e.g. {next(iter(wrong))}); "
-                             f"build it with rollwise.sync.build_engine(cfg, model, pad_id=...)")
+                             f"build it with rollwise.engine.backends.build_engine(cfg, model)")
     return WeightSync(trainer, transport, mode=cfg.mode, with_checksum=cfg.checksum,
                       check=cfg.check, bucket_mb=cfg.bucket_mb, coding=cfg.coding)

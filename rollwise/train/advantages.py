@@ -1,5 +1,5 @@
 """Advantage estimators: pure functions of per-sample rewards and group membership, chosen by
-name (`train.advantage`) through a small registry.
+name (`train.advantage`) through rollwise.registry.
 
     fn(AdvantageInputs) -> AdvantageOutput(advantages (N,), keep (N,) bool)
 
@@ -10,14 +10,11 @@ entropy-confidence scaling plugs in there.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
-ADVANTAGES: dict[str, Callable[["AdvantageInputs"], "AdvantageOutput"]] = {}
-TOKEN_SHAPERS: dict[str, Callable[..., torch.Tensor]] = {}
+from rollwise import registry
+
 
 
 @dataclass
@@ -35,39 +32,12 @@ class AdvantageOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _resolve(registry: dict, name: str, kind: str, config_key: str):
-    if name in registry:
-        return registry[name]
-    if ":" in name:  # a user's 'package.module:function'
-        module, attr = name.split(":", 1)
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise KeyError(f"{config_key} = {name!r}: cannot import it ({e})") from None
-    raise KeyError(f"{config_key} = {name!r}: unknown {kind}; choose from {sorted(registry)} "
-                   "or give 'package.module:function'")
-
-
-def register_advantage(name: str):
-    def wrap(fn):
-        ADVANTAGES[name] = fn
-        return fn
-    return wrap
-
-
 def get_advantage(name: str):
-    return _resolve(ADVANTAGES, name, "advantage estimator", "train.advantage")
-
-
-def register_token_shaping(name: str):
-    def wrap(fn):
-        TOKEN_SHAPERS[name] = fn
-        return fn
-    return wrap
+    return registry.resolve("advantage", name, "train.advantage")
 
 
 def get_token_shaping(name: str):
-    return _resolve(TOKEN_SHAPERS, name, "token shaping", "train.token_shaping")
+    return registry.resolve("token_shaping", name, "train.token_shaping")
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -104,7 +74,6 @@ def _out(adv: torch.Tensor, keep: torch.Tensor | None = None, **metrics) -> Adva
 
 # ------------------------------------------------------------------------------- estimators
 
-@register_advantage("grpo")
 def grpo(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     """GRPO (Shao et al. 2024, DeepSeekMath, eq. 3 with outcome supervision, §4.1.2):
     A_i = (r_i - mean_g r) / (std_g r + eps), std unbiased as in TRL and verl.
@@ -114,7 +83,6 @@ def grpo(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     return _out((r - mean) / (std + eps))
 
 
-@register_advantage("dr_grpo")
 def dr_grpo(x: AdvantageInputs) -> AdvantageOutput:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", the Dr.GRPO objective):
     A_i = r_i - mean_g r, with no division by the group std. The other half of Dr.GRPO, no
@@ -124,7 +92,6 @@ def dr_grpo(x: AdvantageInputs) -> AdvantageOutput:
     return _out(r - mean)
 
 
-@register_advantage("rloo")
 def rloo(x: AdvantageInputs) -> AdvantageOutput:
     """RLOO (Ahmadian et al. 2024, "Back to Basics"; Kool et al. 2019): leave-one-out baseline
     A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean_g r). A group of one gets 0."""
@@ -136,7 +103,6 @@ def rloo(x: AdvantageInputs) -> AdvantageOutput:
     return _out(scale * (r - mean))
 
 
-@register_advantage("reinforce_pp")
 def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): no critic, no group baseline;
     the outcome reward (minus the KL penalty when kl_mode='reward') is whitened over the
@@ -144,7 +110,6 @@ def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     return _out(whiten(x.rewards.float(), eps))
 
 
-@register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     """REINFORCE++-baseline (Hu et al. 2025): subtract the group mean first, then whiten
     over the batch: A_i = whiten_B(r_i - mean_g r)."""
@@ -153,7 +118,6 @@ def reinforce_pp_baseline(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOut
     return _out(whiten(r - mean, eps))
 
 
-@register_advantage("mc_grpo")
 def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:
     """MC-GRPO (median-centred GRPO; METHODS.md §3.7, lotusroot-kim/MC-GRPO):
     A_i = (r_i - median_g r) / (MAD_g + eps), MAD_g = median_g |r - median_g r|, and the
@@ -177,7 +141,6 @@ def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:
     return _out(adv, keep, mad_zero_groups=mad_zero)
 
 
-@register_advantage("gdpo")
 def gdpo(x: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutput:
     """GDPO (NVlabs, group reward-decoupled normalisation; METHODS.md §3.8): each reward
     channel k is normalised within its group, A_k = (r_k - mean_g r_k) / (std_g r_k + eps);
@@ -200,7 +163,6 @@ def gdpo(x: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutput:
 
 # ------------------------------------------------------------------------- token shaping
 
-@register_token_shaping("none")
 def no_shaping(token_advantages: torch.Tensor, batch) -> torch.Tensor:
     """Identity: every response token carries its sample's advantage."""
     return token_advantages

@@ -11,15 +11,11 @@ The behaviour importance weights of rollwise.train.correction multiply the per-t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from rollwise.train.advantages import _resolve
+from rollwise import registry
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {}
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {}
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 ZERO_AT_ZERO_ADVANTAGE = {"ppo_clip", "dual_clip", "gspo"}
 """Losses that are a multiple of each token's advantage: a token with advantage 0 adds exactly 0
 to the loss and its gradient, so the trainer may skip rows made only of such tokens."""
@@ -32,33 +28,12 @@ class LossParams:
     dual_clip_c: float = 3.0  # dual-clip bound on negative-advantage tokens, c > 1
 
 
-def register_policy_loss(name: str):
-    def wrap(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-    return wrap
-
-
 def get_policy_loss(name: str):
-    return _resolve(POLICY_LOSSES, name, "policy loss", "train.loss")
-
-
-def register_aggregation(name: str):
-    def wrap(fn):
-        AGGREGATIONS[name] = fn
-        return fn
-    return wrap
-
-
-def register_kl(name: str):
-    def wrap(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-    return wrap
+    return registry.resolve("policy_loss", name, "train.loss")
 
 
 def get_kl(name: str):
-    return _resolve(KL_ESTIMATORS, name, "KL estimator", "train.kl_estimator")
+    return registry.resolve("kl", name, "train.kl_estimator")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -95,7 +70,6 @@ def _clipped_surrogate(ratio, adv, p: LossParams) -> torch.Tensor:
     return -torch.minimum(ratio * adv, ratio.clamp(1 - p.clip_low, 1 + p.clip_high) * adv)
 
 
-@register_policy_loss("ppo_clip")
 def ppo_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams()):
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with DAPO's decoupled bounds
     (Yu et al. 2025, "clip-higher"):
@@ -109,7 +83,6 @@ def ppo_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParam
     return loss, m
 
 
-@register_policy_loss("dual_clip")
 def dual_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams()):
     """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for
     A < 0 the objective max(min(r A, clip(r) A), c A) bounds the loss of a token whose ratio
@@ -133,7 +106,6 @@ def sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
     return ((logprobs - old_logprobs) * mask).sum(-1) / mask.sum(-1).clamp_min(1)
 
 
-@register_policy_loss("gspo")
 def gspo(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams(0.0003, 0.0004)):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071: the
     GSPO objective and its GSPO-token form): one ratio per sequence, the geometric mean
@@ -153,7 +125,6 @@ def gspo(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams(0.
 
 # ------------------------------------------------------------------------ aggregations
 
-@register_aggregation("token-mean")
 def token_mean(token_loss, mask, *, num_tokens=None, num_seqs=None, norm_length=None):
     """DAPO (Yu et al. 2025, token-level policy-gradient loss): every token of the batch
     weighs the same, sum_{i,t} l_it / sum_i |y_i|. Long answers are not down-weighted."""
@@ -161,7 +132,6 @@ def token_mean(token_loss, mask, *, num_tokens=None, num_seqs=None, norm_length=
     return (token_loss * mask).sum() / max(float(n), 1.0)
 
 
-@register_aggregation("seq-mean-token-mean")
 def seq_mean_token_mean(token_loss, mask, *, num_tokens=None, num_seqs=None, norm_length=None):
     """GRPO (Shao et al. 2024, eq. 3): mean over each sequence's tokens, then over the
     sequences, (1/G) sum_i (1/|y_i|) sum_t l_it. Sequences with no trained token don't count."""
@@ -171,7 +141,6 @@ def seq_mean_token_mean(token_loss, mask, *, num_tokens=None, num_seqs=None, nor
     return per_seq.sum() / max(float(n), 1.0)
 
 
-@register_aggregation("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(token_loss, mask, *, num_tokens=None, num_seqs=None,
                             norm_length=None):
     """Dr.GRPO (Liu et al. 2025, its objective and released code): token sums divided by one
@@ -188,7 +157,7 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "seq-mea
               *, num_tokens=None, num_seqs=None, norm_length=None) -> torch.Tensor:
     """Scalar loss. Pass num_tokens / num_seqs of the whole optimizer batch when this is one
     micro-batch of it, so that the micro-batch losses sum to the full-batch loss."""
-    fn = _resolve(AGGREGATIONS, mode, "loss aggregation", "train.loss_agg")
+    fn = registry.resolve("aggregation", mode, "train.loss_agg")
     return fn(token_loss, mask, num_tokens=num_tokens, num_seqs=num_seqs,
               norm_length=norm_length)
 
@@ -197,20 +166,17 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "seq-mea
 # Schulman 2020, "Approximating KL Divergence": estimators of KL(pi || ref) from samples of pi,
 # with d = log ref - log pi at the sampled token.
 
-@register_kl("k1")
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1 = -d = log pi - log ref: unbiased, high variance, can be negative."""
     return logprobs - ref_logprobs.detach()
 
 
-@register_kl("k2")
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k2 = d^2 / 2: biased, low variance, >= 0; its gradient is that of the true KL's
     second-order expansion."""
     return 0.5 * (ref_logprobs.detach() - logprobs) ** 2
 
 
-@register_kl("k3")
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 = exp(d) - d - 1: unbiased, low variance, >= 0 (GRPO's KL term, DeepSeekMath eq. 4)."""
     d = ref_logprobs.detach() - logprobs

@@ -22,11 +22,10 @@ import torch
 from rollwise.config import TrainConfig
 from rollwise.train import correction as corr
 from rollwise.train.advantages import AdvantageInputs, compute_advantages, get_token_shaping
-from rollwise.train.group_filters import overlong_keep, shaped_reward, soft_overlong_penalty
 from rollwise.train.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.train.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
                                    get_policy_loss, masked_mean)
-from rollwise.types import Batch, Group, Sample
+from rollwise.types import Batch, Group, Sample, Status
 
 
 def token_logprobs(model, batch: Batch, entropy_grad: bool = False):
@@ -88,9 +87,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ data preparation
 
-    def rewards(self, samples: list[Sample]) -> torch.Tensor:
-        """The scalar rewards the estimator sees: Sample.reward + soft overlong penalty."""
-        return torch.tensor([shaped_reward(s, self.cfg) for s in samples], dtype=torch.float)
+    @staticmethod
+    def rewards(samples: list[Sample]) -> torch.Tensor:
+        """The scalar rewards the estimator sees: Sample.reward, final after Filter."""
+        return torch.tensor([float(s.reward) for s in samples], dtype=torch.float)
 
     def advantage_inputs(self, groups: list[Group], rewards: torch.Tensor) -> AdvantageInputs:
         samples = [s for g in groups for s in g.samples]
@@ -104,18 +104,7 @@ class Trainer:
                     raise ValueError(f"train.advantage = 'gdpo': sample {missing[0]} lacks reward "
                                      f"channel {name!r}; every sample needs the same channels")
                 channels[name] = torch.tensor([s.rewards[name] for s in samples])
-            if self.cfg.overlong_buffer > 0:
-                channels["overlong_penalty"] = torch.tensor([soft_overlong_penalty(
-                    s.num_tokens, self.cfg.overlong_max_length, self.cfg.overlong_buffer,
-                    self.cfg.overlong_penalty_factor) for s in samples])
         return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights))
-
-    def make_batch(self, groups: list[Group]) -> Batch:
-        """The columnar batch with each sample's advantage (no KL reward penalty)."""
-        samples = [s for g in groups for s in g.samples]
-        adv = self._advantages(groups, self.rewards(samples)).advantages
-        return Batch.from_samples(samples, adv.tolist(), self.pad_id,
-                                  [i for i, g in enumerate(groups) for _ in g.samples])
 
     def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
         """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""
@@ -252,9 +241,9 @@ class Trainer:
         m.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         m["reward_mean"] = float(rewards.mean())
         mask = self._drop(batch.loss_mask, adv.keep.float()[:, None], "pivot", m)
-        if cfg.overlong_filter:
-            mask = self._drop(mask, torch.tensor(overlong_keep(samples)).float()[:, None],
-                              "overlong", m)
+        if cfg.overlong_filter:  # DAPO: a response cut at the length budget leaves the loss
+            kept = [s.status != Status.TRUNCATED for s in samples]
+            mask = self._drop(mask, torch.tensor(kept).float()[:, None], "overlong", m)
         anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
         token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)

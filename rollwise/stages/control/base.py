@@ -1,4 +1,4 @@
-"""The prompt-selector protocol and its registry."""
+"""The prompt-selector protocol; selectors are chosen by name through rollwise.registry."""
 
 from __future__ import annotations
 
@@ -23,16 +23,7 @@ class Selector(Protocol):
 
 
 def build_selector(cfg) -> Selector:
-    """cfg: ControlConfig."""
-    name = cfg.selector
-    if name == "uniform":
-        from rollwise.stages.control.select_uniform import UniformSelector
-        return UniformSelector()
-    if name == "thompson":
-        from rollwise.stages.control.select_thompson import ThompsonSelector
-        return ThompsonSelector(target=cfg.target_success, decay=cfg.decay)
-    if name == "dps":
-        from rollwise.stages.control.select_dps import DPSSelector
-        return DPSSelector(decay=cfg.decay, candidate_ratio=cfg.candidate_ratio,
-                           prior_name=cfg.dps_prior)
-    raise ValueError(f"control.selector = {name!r}: choose uniform, thompson or dps")
+    """The selector `control.selector` names (cfg: the run's Config): built-in, registered,
+    or 'package.module:factory' called as factory(cfg)."""
+    from rollwise import registry
+    return registry.resolve("selector", cfg.control.selector, "control.selector")(cfg)

@@ -83,6 +83,11 @@ class DPSSelector:
     prompts: dict[str, PromptHMM] = field(default_factory=dict)
     step: int = 0
 
+    @classmethod
+    def build(cls, cfg) -> "DPSSelector":
+        c = cfg.control
+        return cls(decay=c.decay, candidate_ratio=c.candidate_ratio, prior_name=c.dps_prior)
+
     @property
     def prior(self) -> np.ndarray:
         if self.prior_name == "flat":

@@ -15,6 +15,10 @@ from rollwise.tasks import Problem
 
 
 class ThompsonSelector:
+    @classmethod
+    def build(cls, cfg) -> "ThompsonSelector":
+        return cls(target=cfg.control.target_success, decay=cfg.control.decay)
+
     def __init__(self, target: float = 0.5, decay: float = 1.0):
         self.target, self.decay = target, decay
         self.counts: dict[str, list[float]] = {}  # prompt id -> [a, b]

@@ -8,6 +8,10 @@ from rollwise.tasks import Problem
 
 
 class UniformSelector:
+    @classmethod
+    def build(cls, cfg) -> "UniformSelector":
+        return cls()
+
     def select(self, pool: list[Problem], n: int, rng: random.Random) -> list[Problem]:
         return rng.sample(pool, min(n, len(pool)))
 

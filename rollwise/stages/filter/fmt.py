@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 from rollwise.stages.filter.base import Item, Verdict
-from rollwise.train.group_filters import soft_overlong_penalty
 
 
 class FormatVerifier:
@@ -38,10 +37,16 @@ class FormatVerifier:
         return {}
 
 
-def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int) -> float:
-    """DAPO's soft overlong penalty; buffer 0 leaves only the -1 past max_tokens."""
-    return -1.0 if num_tokens > max_tokens else soft_overlong_penalty(num_tokens, max_tokens,
-                                                                       buffer)
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment R_length(y) (Yu et al. 2025, §3.4):
+         0                                   if |y| <= L_max - L_cache
+         ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+        -1                                   if |y| > L_max
+    with L_max = max_length and L_cache = buffer (0: only the -1 past L_max)."""
+    if length > max_length:
+        return -1.0
+    start = max_length - buffer
+    return 0.0 if length <= start else (start - length) / buffer
 
 
 class LengthVerifier:

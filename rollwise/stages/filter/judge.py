@@ -62,7 +62,7 @@ class JudgeVerifier:
         from rollwise import models
         from rollwise.engine import Engine
         model, tok = models.load_model(self.model_path)
-        self.attach(Engine(model, pad_id=tok.pad_token_id, copy_model=False), tok)
+        self.attach(Engine(model, copy_model=False), tok)
 
     def prompt(self, it: Item) -> str:
         return self.rubric.format(prompt=it.problem.prompt, answer=it.problem.answer,

@@ -24,42 +24,60 @@ SHAPING = ("format", "length", "judge", "majority")
 
 
 def make_verifier(name: str, cfg, task) -> Verifier:
-    """The verifier registered under `name` (cfg: FilterConfig), or a user's by import path."""
-    if name == "exact":
-        from rollwise.stages.filter.exact import ExactVerifier, TaskScoreVerifier
-        return TaskScoreVerifier(task) if getattr(task, "score_fn", None) else ExactVerifier()
-    if name in ("math", "math_verify"):
-        from rollwise.stages.filter.math_verifier import MathVerifier
-        return MathVerifier(cfg.timeout_s, name=name)
-    if name == "gym":
-        from rollwise.stages.filter.math_verifier import GymVerifier
-        return GymVerifier()
-    if name == "code":
-        from rollwise.stages.filter.code_verifier import CodeVerifier
-        from rollwise.stages.filter.sandbox import SandboxLimits
-        s = cfg.sandbox
-        limits = SandboxLimits(timeout_s=s.timeout_s, cpu_s=s.cpu_s, memory_mb=s.memory_mb,
-                               max_processes=s.max_processes, max_output_kb=s.max_output_kb,
-                               guard=s.guard)
-        return CodeVerifier(limits, cfg.code_reward)
-    if name == "format":
-        from rollwise.stages.filter.fmt import FormatVerifier
-        return FormatVerifier(cfg.format_pattern)
-    if name == "length":
-        from rollwise.stages.filter.fmt import LengthVerifier
-        return LengthVerifier(cfg.length_max, cfg.length_buffer)
-    if name == "judge":
-        from rollwise.stages.filter.judge import JudgeVerifier
-        j = cfg.judge
-        return JudgeVerifier(j.rubric, j.fapo, j.model, j.max_new_tokens)
-    if name == "majority":
-        from rollwise.stages.filter.majority import MajorityVerifier
-        return MajorityVerifier(min_ratio=cfg.majority_min_ratio)
-    if ":" in name:
-        from rollwise.stages.filter.user import user_verifier
+    """The verifier `name` stands for (cfg: FilterConfig): a registered name (rollwise.registry,
+    kind 'verifier') built as factory(cfg, task), or a user's 'package.module:attr' reward
+    function or Verifier class (rollwise.stages.filter.user)."""
+    from rollwise import registry
+    from rollwise.stages.filter.user import user_verifier
+    if registry.is_dotted(name):
         return user_verifier(name)
-    raise ValueError(f"filter.reward: unknown verifier {name!r}; use one of "
-                     f"{', '.join(CORRECTNESS + SHAPING)} or 'package.module:function'")
+    return registry.resolve("verifier", name, "filter.reward")(cfg, task)
+
+
+def build_exact(cfg, task) -> Verifier:
+    from rollwise.stages.filter.exact import ExactVerifier, TaskScoreVerifier
+    return TaskScoreVerifier(task) if getattr(task, "score_fn", None) else ExactVerifier()
+
+
+def build_math(cfg, task) -> Verifier:
+    from rollwise.stages.filter.math_verifier import MathVerifier
+    return MathVerifier(cfg.timeout_s)
+
+
+def build_gym(cfg, task) -> Verifier:
+    from rollwise.stages.filter.math_verifier import GymVerifier
+    return GymVerifier()
+
+
+def build_code(cfg, task) -> Verifier:
+    from rollwise.stages.filter.code_verifier import CodeVerifier
+    from rollwise.stages.filter.sandbox import SandboxLimits
+    s = cfg.sandbox
+    limits = SandboxLimits(timeout_s=s.timeout_s, cpu_s=s.cpu_s, memory_mb=s.memory_mb,
+                           max_processes=s.max_processes, max_output_kb=s.max_output_kb,
+                           guard=s.guard)
+    return CodeVerifier(limits, cfg.code_reward)
+
+
+def build_format(cfg, task) -> Verifier:
+    from rollwise.stages.filter.fmt import FormatVerifier
+    return FormatVerifier(cfg.format_pattern)
+
+
+def build_length(cfg, task) -> Verifier:
+    from rollwise.stages.filter.fmt import LengthVerifier
+    return LengthVerifier(cfg.length_max, cfg.length_buffer)
+
+
+def build_judge(cfg, task) -> Verifier:
+    from rollwise.stages.filter.judge import JudgeVerifier
+    j = cfg.judge
+    return JudgeVerifier(j.rubric, j.fapo, j.model, j.max_new_tokens)
+
+
+def build_majority(cfg, task) -> Verifier:
+    from rollwise.stages.filter.majority import MajorityVerifier
+    return MajorityVerifier(min_ratio=cfg.majority_min_ratio)
 
 
 def weights_of(reward: str | dict[str, float]) -> dict[str, float]:
@@ -179,6 +197,8 @@ def build_filter(cfg, task) -> FilterStage:
         verifier = make_verifier(spec, cfg, task)
         if ":" not in spec:  # a user's verifier keeps its name ('pkg.mod:fn' fills 'fn')
             verifier.name = spec
+        elif not getattr(verifier, "name", None):
+            verifier.name = spec.rsplit(":", 1)[-1]
         channels.append(Channel(verifier.name, float(w), verifier))
     names = [c.key for c in channels]
     if len(set(names)) < len(names):

@@ -1,1 +1,42 @@
-"""Generate stage: which trajectories are proposed, and their shape."""
+"""Generate stage: which trajectories are proposed, and their shape.
+
+A `Generator` turns the prompts Control selected into groups of samples, through the rollout
+driver (rollout.py), which feeds engine events into samples and applies the in-flight
+controller's decisions. `generate.strategy` picks one by name (rollwise.registry): group
+(i.i.d. samples, group.py), or 'package.module:factory' called as factory(cfg, tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from rollwise.stages.generate.rollout import Rollout
+from rollwise.tasks import Problem
+
+
+class Generator(Protocol):
+    def generate(self, rollout: Rollout, problems: list[Problem], step: int) -> None:
+        """Add a group per problem to the rollout (rollout.add) and run it (rollout.run,
+        optionally with an event hook of its own, e.g. a tree's branching)."""
+
+
+def build_generator(cfg, tokenizer) -> Generator:
+    from rollwise import registry
+    return registry.resolve("generator", cfg.generate.strategy, "generate.strategy")(
+        cfg, tokenizer)
+
+
+def generate_round(engine, generator: Generator, control, params, n: int, step: int,
+                   ledger) -> list:
+    """One round of `n` groups: the in-flight controller's carried groups resume first, then
+    new prompts from Control; returns the groups the controller releases for scoring."""
+    carried, fresh = control.inflight.begin(n, step)
+    rollout = Rollout(engine, control.inflight, ledger, params)
+    for g in carried:
+        rollout.add(g)
+    generator.generate(rollout, control.select(fresh, step, ledger), step)
+    rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
+    return control.inflight.end(rollout, n)
+
+
+__all__ = ["Generator", "Rollout", "build_generator", "generate_round"]

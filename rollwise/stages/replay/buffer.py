@@ -19,12 +19,11 @@ rollwise.train.correction) sees exactly how stale each token is.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections import OrderedDict
+from typing import Protocol
 
-from rollwise.tasks import Problem
-from rollwise.types import Group, Sample, Status
+from rollwise.types import Group
 
 
 def staleness(group: Group, version: int) -> int:
@@ -77,13 +76,84 @@ class ReplayBuffer:
         return [self.groups[k] for k in rng.sample(keys, min(n, len(keys)))]
 
     def state_dict(self) -> dict:
-        return {"groups": [group_to_dict(g) for g in self.groups.values()],
+        return {"groups": [g.to_dict() for g in self.groups.values()],
                 "evicted": dict(self.evicted)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.groups = OrderedDict((g.prompt_id, g) for g in map(group_from_dict,
+        self.groups = OrderedDict((g.prompt_id, g) for g in map(Group.from_dict,
                                                                  state["groups"]))
         self.evicted = dict(state["evicted"])
+
+
+class Replay(Protocol):
+    """The Replay stage: groups reused without generating them again. Stale groups keep their
+    behaviour log-probabilities and versions, so the trainer corrects them exactly."""
+
+    def take(self, slots: int, version: int, rng: random.Random) -> list[Group]:
+        """Groups for up to `slots - 1` of a batch's prompt slots (one stays fresh)."""
+
+    def put(self, groups: list[Group]) -> None:
+        """This step's freshly scored groups, kept or not."""
+
+    def metrics(self, taken: list[Group], slots: int, version: int) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class NoReplay:
+    """replay.enabled = false: every group is generated."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def take(self, slots: int, version: int, rng: random.Random) -> list[Group]:
+        return []
+
+    def put(self, groups: list[Group]) -> None:
+        pass
+
+    def metrics(self, taken, slots, version) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class BufferReplay:
+    """DOTS rollout replay: replay.share of each batch from a ReplayBuffer (see the module
+    docstring); cfg: the run's Config."""
+
+    def __init__(self, cfg):
+        self.share = cfg.replay.share
+        self.buffer = ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness)
+
+    def take(self, slots: int, version: int, rng: random.Random) -> list[Group]:
+        n = replay_quota(self.share, slots, self.buffer.eligible(version))
+        return self.buffer.take(n, version, rng)
+
+    def put(self, groups: list[Group]) -> None:
+        self.buffer.put(groups)
+
+    def metrics(self, taken, slots, version) -> dict[str, float]:
+        return replay_metrics(taken, slots, version, self.buffer)
+
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)
+
+
+def build_replay(cfg) -> Replay:
+    """The configured Replay stage (cfg: the run's Config)."""
+    from rollwise import registry
+    name = cfg.replay.strategy if cfg.replay.enabled else "none"
+    return registry.resolve("replay", name, "replay.strategy")(cfg)
 
 
 def replay_quota(share: float, batch: int, available: int) -> int:
@@ -103,14 +173,3 @@ def replay_metrics(replayed: list[Group], batch: int, version: int,
             "replay/staleness_max": float(max(ages, default=0)),
             "replay/buffer_groups": float(len(buffer)),
             **{f"replay/evicted_total/{k}": float(v) for k, v in buffer.evicted.items()}}
-
-
-def group_to_dict(g: Group) -> dict:
-    return {"prompt_id": g.prompt_id, "samples": [dataclasses.asdict(s) for s in g.samples],
-            "problem": dataclasses.asdict(g.problem) if g.problem is not None else None}
-
-
-def group_from_dict(d: dict) -> Group:
-    samples = [Sample(**{**s, "status": Status(s["status"])}) for s in d["samples"]]
-    problem = Problem(**d["problem"]) if d["problem"] is not None else None
-    return Group(d["prompt_id"], samples, problem)

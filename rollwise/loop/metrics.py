@@ -1,0 +1,49 @@
+"""A step's metrics, assembled from what the step produced (loop.sync.StepResult): one flat
+dict per step for metrics.jsonl, TensorBoard and the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollwise.stages.ledger import Ledger
+from rollwise.types import Group, Status
+
+
+@dataclass
+class StepResult:
+    step: int
+    scored: list[Group]  # this step's generated groups, scored, kept or not
+    trained: list[Group]  # what the trainer updated on: kept groups, then replayed ones
+    ledger: Ledger
+    version: int  # the policy version after the update
+    decoded: int  # tokens the engine decoded during the step's generation
+    replay: dict[str, float] = field(default_factory=dict)
+    filter: dict[str, float] = field(default_factory=dict)  # summed over generation rounds
+    train: dict[str, float] = field(default_factory=dict)
+    sync: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # gen, train, step
+
+
+def step_metrics(r: StepResult) -> dict[str, float]:
+    samples = [s for g in r.scored for s in g.samples]
+    n_gen = sum(s.num_tokens for s in samples)
+    ledger = r.ledger.metrics()
+    # trained tokens of this step's generation (replayed ones are counted under replay/)
+    ledger["tokens/trained"] = ledger.get("tokens/trained", 0.0) + float(
+        int(r.train.get("train/tokens", 0) - r.replay.get("replay/tokens", 0)))
+    return {
+        **r.replay, **r.filter, "perf/gen_seconds": r.seconds["gen"], **r.train,
+        "perf/train_seconds": r.seconds["train"], **r.sync, **ledger,
+        "step": r.step, "reward/mean": sum(s.reward for s in samples) / len(samples),
+        "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),
+        "groups/scored": len(r.scored), "groups/trained": len(r.trained),
+        "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),
+        "tokens/stale": sum(v < r.version - 1 for g in r.trained for s in g.samples
+                            for v in s.versions),
+        "tokens/generated": n_gen, "tokens/decoded": r.decoded,
+        "response/length_mean": n_gen / len(samples),
+        "samples/total": len(samples),
+        "samples/truncated": sum(s.status == Status.TRUNCATED for s in samples),
+        "perf/gen_tokens_per_s": r.decoded / max(r.seconds["gen"], 1e-9),
+        "perf/step_seconds": r.seconds["step"], "policy/version": r.version,
+    }

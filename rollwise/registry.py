@@ -1,0 +1,121 @@
+"""One lazy registry for every seam of the loop: a name resolves to a built-in implementation or
+to a user's `package.module:attr`, imported on first use, so heavy backends (vLLM) stay optional.
+
+    from rollwise import registry
+    registry.resolve("selector", "dps")          # -> the DPSSelector factory
+    registry.resolve("selector", "mypkg.sel:Top")  # -> mypkg.sel.Top
+    registry.register("selector", "top", "mypkg.sel:Top")  # a plugin adds a name
+
+What a name resolves to is called by the part that owns the seam; each kind's line below says
+with what (cfg is the run's whole Config). Config validation calls `check`, which accepts a
+known name or a dotted path and rejects anything else with the list of known names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+BUILTIN: dict[str, dict[str, str]] = {
+    # fn(AdvantageInputs) -> AdvantageOutput
+    "advantage": {n: "rollwise.train.advantages:" + f for n, f in (
+        ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
+        ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
+        ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"))},
+    # fn(token_advantages (B, T), batch) -> (B, T)
+    "token_shaping": {"none": "rollwise.train.advantages:no_shaping"},
+    # fn(logprobs, old_logprobs, advantages, mask, LossParams) -> (per-token loss, metrics)
+    "policy_loss": {n: "rollwise.train.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo")},
+    # fn(token_loss, mask, num_tokens=, num_seqs=, norm_length=) -> scalar
+    "aggregation": {"token-mean": "rollwise.train.losses:token_mean",
+                    "seq-mean-token-mean": "rollwise.train.losses:seq_mean_token_mean",
+                    "seq-mean-token-sum-norm": "rollwise.train.losses:seq_mean_token_sum_norm"},
+    # fn(logprobs, ref_logprobs) -> per-token estimate
+    "kl": {n: "rollwise.train.losses:kl_" + n for n in ("k1", "k2", "k3")},
+    # factory(name, filter_cfg, task) -> Verifier; a dotted path is a user reward function
+    "verifier": {n: "rollwise.stages.filter.stage:build_" + m for n, m in (
+        ("exact", "exact"), ("math", "math"), ("math_verify", "math"), ("gym", "gym"),
+        ("code", "code"), ("format", "format"), ("length", "length"), ("judge", "judge"),
+        ("majority", "majority"))},
+    # factory(cfg) -> Selector
+    "selector": {"uniform": "rollwise.stages.control.select_uniform:UniformSelector.build",
+                 "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",
+                 "dps": "rollwise.stages.control.select_dps:DPSSelector.build"},
+    # factory(cfg, tokenizer) -> Generator
+    "generator": {"group": "rollwise.stages.generate.group:GroupGenerator"},
+    # factory(cfg) -> InflightController
+    "inflight": {"none": "rollwise.stages.control.inflight:RunToEnd",
+                 "april": "rollwise.stages.control.april:April"},
+    # factory(cfg) -> Replay
+    "replay": {"none": "rollwise.stages.replay.buffer:NoReplay",
+               "buffer": "rollwise.stages.replay.buffer:BufferReplay"},
+    # factory(cfg, model, tokenizer, run_dir) -> Engine
+    "engine": {"builtin": "rollwise.engine.backends:builtin",
+               "vllm": "rollwise.engine.backends:vllm"},
+}
+
+_added: dict[str, dict[str, Any]] = {k: {} for k in BUILTIN}
+_cache: dict[tuple[str, str], Any] = {}
+DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def kinds() -> list[str]:
+    return list(BUILTIN)
+
+
+def names(kind: str) -> list[str]:
+    """The names `kind` knows (built-in and registered)."""
+    _known_kind(kind)
+    return [*BUILTIN[kind], *(n for n in _added[kind] if n not in BUILTIN[kind])]
+
+
+def register(kind: str, name: str, target: Any) -> None:
+    """Add `name` to `kind`: target is the object itself or its 'package.module:attr'."""
+    _known_kind(kind)
+    if not name or ":" in name:
+        raise ValueError(f"registry name {name!r}: give a plain name (no ':')")
+    _added[kind][name] = target
+    _cache.pop((kind, name), None)
+
+
+def is_dotted(name: str) -> bool:
+    return bool(DOTTED.match(name))
+
+
+def check(kind: str, name: str, key: str) -> str:
+    """`name` if it is a known name or a well-formed dotted path, else a ValueError naming
+    the config `key` and the known names (what config validation raises)."""
+    if name in names(kind) or is_dotted(name):
+        return name
+    raise ValueError(f"{key} = {name!r}: unknown {kind}; choose from {', '.join(names(kind))} "
+                     "or give 'package.module:attr'")
+
+
+def resolve(kind: str, name: str, key: str | None = None) -> Any:
+    """The object `name` stands for, imported on first use."""
+    key = key or kind
+    if (kind, name) in _cache:
+        return _cache[(kind, name)]
+    check(kind, name, key)
+    target = _added[kind].get(name, BUILTIN[kind].get(name, name))
+    obj = _import(target, key, name) if isinstance(target, str) else target
+    _cache[(kind, name)] = obj
+    return obj
+
+
+def _import(path: str, key: str, name: str) -> Any:
+    module, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{key} = {name!r}: cannot import {path} ({type(e).__name__}: {e})"
+                         ) from None
+    return obj
+
+
+def _known_kind(kind: str) -> None:
+    if kind not in BUILTIN:
+        raise KeyError(f"registry kind {kind!r}: one of {', '.join(BUILTIN)}")

@@ -1,0 +1,92 @@
+"""In-flight control: decisions about requests while they generate, over any generator.
+
+The rollout driver (rollwise.stages.generate.rollout) shows the controller every engine event
+(every `engine.segment` tokens of a sequence and at its end) and applies its answer:
+
+    Decision()                                  continue
+    Decision("pause", "why")                    stop this sequence, keep it for a later step
+    Decision("abort", "why")                    stop it for good (it is trained as it stands)
+    Decision("fork", "why", n=2)                two children sharing its prefix join its group
+    Decision("pause", "why", everyone=True)     end the round: every unfinished sequence pauses
+
+Each decision other than continue is counted in the ledger as control/<action>/<reason>.
+`control.inflight` picks a controller by name: none (RunToEnd, below), april
+(rollwise.stages.control.april), or 'package.module:factory' called as factory(cfg).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from rollwise.engine import Event
+from rollwise.types import Group, Sample
+
+if TYPE_CHECKING:
+    from rollwise.stages.generate.rollout import Rollout
+
+ACTIONS = ("continue", "pause", "abort", "fork")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str = "continue"
+    reason: str = ""
+    n: int = 0  # children, for fork
+    everyone: bool = False  # pause/abort: every unfinished sequence, ending the round
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"in-flight decision {self.action!r}: one of {', '.join(ACTIONS)}")
+        if self.action == "fork" and (self.n < 1 or self.everyone):
+            raise ValueError("a fork decision needs n >= 1 children and applies to one sequence")
+        if self.action != "continue" and not self.reason:
+            raise ValueError(f"a {self.action} decision needs a reason (the ledger counts it)")
+
+
+CONTINUE = Decision()
+
+
+class InflightController(Protocol):
+    def begin(self, want: int, step: int) -> tuple[list[Group], int]:
+        """A round of `want` groups starts: groups carried from earlier rounds (resumed
+        first) and how many new prompts to start."""
+
+    def on_event(self, event: Event, sample: Sample, rollout: "Rollout") -> Decision:
+        """An event of `sample` (its tokens are appended already): what to do now."""
+
+    def end(self, rollout: "Rollout", want: int) -> list[Group]:
+        """The round is over: the groups to score and train now; the controller keeps any
+        others it wants to continue later (its state_dict saves them)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class RunToEnd:
+    """control.inflight = none: every request runs to its end; the round returns every group."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def begin(self, want: int, step: int) -> tuple[list[Group], int]:
+        return [], want
+
+    def on_event(self, event, sample, rollout) -> Decision:
+        return CONTINUE
+
+    def end(self, rollout, want: int) -> list[Group]:
+        return list(rollout.groups)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def build_inflight(cfg) -> InflightController:
+    """The controller `control.inflight` names (cfg: the run's Config)."""
+    from rollwise import registry
+    return registry.resolve("inflight", cfg.control.inflight, "control.inflight")(cfg)
