@@ -33,6 +33,7 @@ DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean
 
 
 def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> dict:
+    from rollwise.loop.metrics import step_metrics
     from rollwise.loop.sync import Run
     from rollwise.report.progress import Progress
     cfg = load_config(None, base + [f"control.inflight={mode}", f"train.steps={steps}",
@@ -42,7 +43,7 @@ def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> di
     engine = run.engine
     decoded0, prefill0, passes0 = (engine.tokens_generated, engine.prefill_tokens,
                                    engine.forward_passes)
-    rows = [run.step(step) for step in range(1, steps + 1)]
+    rows = [step_metrics(run.step(step)) for step in range(1, steps + 1)]
     gen_s = sum(r["perf/gen_seconds"] for r in rows)
     batch = sum(r["tokens/batch"] for r in rows)
     decoded = engine.tokens_generated - decoded0

@@ -46,6 +46,7 @@ DEFAULTS = ["task.train_size=512", "run.log=quiet", "run.report=false", "run.eva
 
 def run_method(base: list[str], method: str, seed: int, target: float, max_steps: int,
                eval_rollouts: int, root: str, init: str) -> dict:
+    from rollwise.loop.metrics import step_metrics
     from rollwise.loop.sync import Run
     from rollwise.report.progress import Progress
     cfg = load_config(None, base + METHODS[method] + [
@@ -54,7 +55,8 @@ def run_method(base: list[str], method: str, seed: int, target: float, max_steps
     run = Run(cfg, Progress("quiet"))
     tiers = {p.id: p.tier for p in run.task.train}
     by_tier: dict[str, list[int]] = {}  # tier -> [groups scored, groups with mixed rewards]
-    observe = run.selector.observe
+    selector = run.control.selector
+    observe = selector.observe
 
     def tally(outcomes, step):  # every scored group passes here, kept or not
         for pid, (succ, trials) in outcomes.items():
@@ -62,11 +64,11 @@ def run_method(base: list[str], method: str, seed: int, target: float, max_steps
             t[0] += 1
             t[1] += 0 < succ < trials
         observe(outcomes, step)
-    run.selector.observe = tally
+    selector.observe = tally
     mixed = scored = trained = 0
     reached, curve, next_eval = None, [], eval_rollouts
     for step in range(1, max_steps + 1):
-        m = run.step(step)
+        m = step_metrics(run.step(step))
         mixed += m["groups/mixed_share"] * m["groups/scored"]
         scored += m["groups/scored"]
         trained += m["groups/trained"]

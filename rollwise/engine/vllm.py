@@ -22,10 +22,12 @@ built-in engine:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -48,12 +50,15 @@ class VLLMEngine:
         config = json.loads((self.model_path / "config.json").read_text())
         self._tied = bool(config.get("tie_word_embeddings", False))
         self._vocab = int(config["vocab_size"])
-        kwargs = dict(enforce_eager=True, enable_prefix_caching=True,
+        # no chunked prefill: a chunked request's sampled token is discarded, and vLLM cannot
+        # rewind a seeded CPU generator for it (RuntimeError: CPU Generator does not use offset)
+        kwargs = dict(enforce_eager=True, enable_prefix_caching=True, enable_chunked_prefill=False,
                       generation_config="vllm") | engine_kwargs
         args = EngineArgs(model=str(model_path), skip_tokenizer_init=True, dtype=dtype,
                           seed=seed, max_num_seqs=max_batch, max_logprobs=-1,
                           logprobs_mode="processed_logprobs", **kwargs)
-        self.llm = LLMEngine.from_engine_args(args)
+        with _hidden_from_vllm_scan():
+            self.llm = LLMEngine.from_engine_args(args)
         self.model = None  # weights live inside vLLM: update them with load_weights
         self.version = version
         self.tokens_generated = 0
@@ -277,6 +282,33 @@ def _event(seq: Sequence) -> Event:
     return Event(seq.seq_id, seq.request_id, seq.tokens[a:], seq.logprobs[a:],
                  seq.entropies[a:], seq.versions[a:], seq.status is not SeqStatus.RUNNING,
                  seq.finish_reason, seq.top_logprobs[a:] if seq.top_logprobs else None)
+
+
+@contextlib.contextmanager
+def _hidden_from_vllm_scan():
+    """vLLM's start-up rebinds Triton kernels by scanning every loaded module and reading
+    vars(attr) of each attribute; an object whose __dict__ is not a dict (llvmlite's ffi.lib,
+    loaded with numba by sparse weight sync) breaks that scan (AttributeError:
+    '_lib_fn_wrapper' object has no attribute 'get'). Such modules leave sys.modules while vLLM
+    starts and come back after; nothing in them is a vLLM kernel."""
+    hidden = {name: m for name, m in list(sys.modules.items()) if not _scannable(m)}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
+def _scannable(module) -> bool:
+    """Whether vLLM's scan (vllm/triton_utils/dispatcher.py) reads this module without error."""
+    for value in list((getattr(module, "__dict__", None) or {}).values()):
+        try:
+            if hasattr(value, "__dict__"):
+                vars(value).get("kernel")
+        except Exception:
+            return False
+    return True
 
 
 def _retie_lm_head(model) -> None:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
 
 SHORT_GAP = 256  # gaps 1..255 fit a byte; 0 marks a long one
 CODE_PLUS, CODE_MINUS, CODE_SMALL, CODE_LARGE = 0, 1, 2, 3
@@ -85,7 +84,7 @@ def scan(new_bits: torch.Tensor, mirror_bits: torch.Tensor, gap_dtype: torch.dty
     gap_bytes, codes = np.empty(cap, np.uint8), np.empty(cap // 4 + 1, np.uint8)
     long_gaps, small = np.empty(cap // 4 + 1, np.int64), np.empty(cap, np.int8)
     large = np.empty(cap // width + 1, np.int64)
-    n, fits, n_long, n_small, n_large = _scan(
+    n, fits, n_long, n_small, n_large = _kernels()._scan(
         new, mirror, gap_bytes, codes, long_gaps, small, large, cap,
         1 << (8 * width), gap_size, width)
     if not fits:
@@ -118,7 +117,7 @@ def apply(flat_bits: torch.Tensor, blob: torch.Tensor, head: Coded) -> None:
         size = count * dtype.itemsize
         parts.append(raw[at:at + size].view(_NP[dtype]))
         at += _pad8(size)
-    status, where = _apply(_np(flat_bits), *parts, head.changes)
+    status, where = _kernels()._apply(_np(flat_bits), *parts, head.changes)
     if status:
         raise ValueError(_ERRORS[status].format(where=where, numel=flat_bits.numel()))
 
@@ -144,103 +143,9 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).numpy()
 
 
-@njit(cache=True, nogil=True)
-def _scan(new, mirror, gap_bytes, codes, long_gaps, small, large, cap, mod, gap_size, width):
-    half = mod // 2
-    n = n_long = n_small = n_large = 0
-    size, prev, byte, fits = 0, -1, 0, True
-    for i in range(new.shape[0]):
-        b, a = new[i], mirror[i]
-        if a == b:
-            continue
-        mirror[i] = b
-        n += 1
-        if not fits:  # past the limit: only count (and update the mirror)
-            continue
-        gap = i - prev
-        prev = i
-        if gap < SHORT_GAP:
-            gap_bytes[n - 1] = gap
-        else:
-            gap_bytes[n - 1] = 0
-            long_gaps[n_long] = gap
-            n_long += 1
-            size += gap_size
-        d = (np.int64(b) - np.int64(a)) % mod  # the difference modulo 2^bits, then signed
-        if d >= half:
-            d -= mod
-        if d == 1:
-            code = CODE_PLUS
-        elif d == -1:
-            code = CODE_MINUS
-        elif -128 <= d < 128:
-            code = CODE_SMALL
-            small[n_small] = d
-            n_small += 1
-            size += 1
-        else:
-            code = CODE_LARGE
-            large[n_large] = d
-            n_large += 1
-            size += width
-        slot = (n - 1) & 3
-        byte |= code << (2 * slot)
-        size += 1 + (slot == 0)  # the gap byte, and a new code byte every fourth change
-        if slot == 3:
-            codes[(n - 1) >> 2] = byte
-            byte = 0
-        fits = size < cap
-    if fits and n & 3:
-        codes[(n - 1) >> 2] = byte
-    return n, fits, n_long, n_small, n_large
-
-
-@njit(cache=True, nogil=True)
-def _apply(flat, gap_bytes, codes, long_gaps, small, large, n):
-    # first pass: check everything, write nothing
-    pos, n_long, n_small, n_large = -1, 0, 0, 0
-    for k in range(n):
-        gap = np.int64(gap_bytes[k])
-        if gap == 0:
-            if n_long >= long_gaps.shape[0]:
-                return 2, k
-            gap = np.int64(long_gaps[n_long])
-            n_long += 1
-            if gap <= 0:
-                return 5, gap
-        pos += gap
-        if pos >= flat.shape[0]:
-            return 1, pos
-        code = (codes[k >> 2] >> (2 * (k & 3))) & 3
-        if code == CODE_SMALL:
-            n_small += 1
-            if n_small > small.shape[0]:
-                return 3, k
-        elif code == CODE_LARGE:
-            n_large += 1
-            if n_large > large.shape[0]:
-                return 4, k
-    left = (long_gaps.shape[0] - n_long) + (small.shape[0] - n_small) + (large.shape[0] - n_large)
-    if left:
-        return 6, left
-    # second pass: write (a store into the tensor's integer type wraps modulo 2^bits)
-    pos, n_long, n_small, n_large = -1, 0, 0, 0
-    for k in range(n):
-        gap = np.int64(gap_bytes[k])
-        if gap == 0:
-            gap = np.int64(long_gaps[n_long])
-            n_long += 1
-        pos += gap
-        code = (codes[k >> 2] >> (2 * (k & 3))) & 3
-        if code == CODE_PLUS:
-            d = np.int64(1)
-        elif code == CODE_MINUS:
-            d = np.int64(-1)
-        elif code == CODE_SMALL:
-            d = np.int64(small[n_small])
-            n_small += 1
-        else:
-            d = np.int64(large[n_large])
-            n_large += 1
-        flat[pos] = flat[pos] + d
-    return 0, 0
+def _kernels():
+    """The numba kernels (rollwise.sync._kernels), imported on first use: numba is only needed
+    once a sparse payload is coded, and importing it early upsets vLLM's start-up (its kernel
+    registry scans every loaded module, and llvmlite's ffi object breaks that scan)."""
+    from rollwise.sync import _kernels
+    return _kernels

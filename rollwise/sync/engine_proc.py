@@ -87,6 +87,12 @@ class EngineProcess:
         meta, _ = sender.encode(state_dict, version, self.arena, full=True)
         self.apply(meta)
 
+    def stream(self):
+        """Step until nothing is waiting or running, yielding events (one call per step: a
+        generator cannot cross the process boundary)."""
+        while self.call("has_unfinished"):
+            yield from self.call("step")
+
     def call(self, method: str, *args, **kwargs):
         """Any method of the engine, run in the child (arguments and result pickled)."""
         out, self.tokens_generated, self._version = self._call("call", method, args, kwargs)
