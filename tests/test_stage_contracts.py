@@ -343,3 +343,21 @@ def test_replay_contract(replay):
     twin.load_state_dict(r.state_dict())
     a, b = r.take(4, 5, random.Random(1)), twin.take(4, 5, random.Random(1))
     assert [g.to_dict() for g in a] == [g.to_dict() for g in b]
+
+
+# ---- the engine's config ----------------------------------------------------------------------
+
+def test_engine_segment_and_kv_budget_from_the_config_take_effect(tiny):
+    from rollwise.engine import Request, SamplingParams
+    from rollwise.engine.backends import build_engine
+    model, tok = tiny
+    cfg = Config.model_validate({"engine": {"segment": 3, "kv_budget_tokens": 40,
+                                            "max_batch": 8}})
+    engine = build_engine(cfg, model, tok)
+    params = SamplingParams(temperature=1.0, max_new_tokens=7, seed=1)
+    sid = engine.add(Request([5, 6, 7], params))
+    events = [e for e in engine.stream() if e.seq_id == sid]
+    assert [len(e.token_ids) for e in events] == [3, 3, 1]  # every 3 tokens and at the end
+    # a request whose prompt + budget cannot fit 40 KV positions is refused, naming the budget
+    with pytest.raises(ValueError, match="kv_budget_tokens=40"):
+        engine.generate([Request(list(range(5, 45)), SamplingParams(max_new_tokens=8))])

@@ -116,7 +116,8 @@ def test_delta_coding_round_trips_any_change(dtype, n, density, seed, gap64):
     new[mask] = torch.where(torch.from_numpy(rng.random(n) < 0.7)[mask], old[mask] + nudge[mask],
                             P.bits(raw())[mask])
     mirror = old.clone()
-    changes, coded = coding.scan(new, mirror, torch.int64 if gap64 else torch.int32, 2**40)
+    gap_dtype = torch.int64 if gap64 else torch.int32
+    changes, coded = coding.scan(new, mirror, gap_dtype, 2**40)
     expected = (old != new).nonzero().squeeze(1)
     assert changes == expected.numel() and torch.equal(mirror, new)
     blob, head = coded
@@ -129,7 +130,7 @@ def test_delta_coding_round_trips_any_change(dtype, n, density, seed, gap64):
     assert torch.equal(rebuilt, new)
     # a limit at or below the blob's size reports the count only, with the mirror still updated
     mirror = old.clone()
-    assert coding.scan(new, mirror, torch.int32, head.nbytes) == (changes, None)
+    assert coding.scan(new, mirror, gap_dtype, head.nbytes) == (changes, None)
     assert torch.equal(mirror, new)
 
 

@@ -1,10 +1,14 @@
-"""Control stage: where compute goes. Prompt selectors choose which prompts to roll out;
-in-flight controllers (APRIL) decide to continue, pause or stop requests.
+"""Control stage: where compute goes (stage.py puts the parts together).
 
-Selectors share one small protocol (see base.py) and are chosen by name:
-`control.selector = uniform | thompson | dps`.
+- Selectors choose which prompts to roll out (base.py: the protocol; `control.selector =
+  uniform | thompson | dps | package.module:factory`).
+- Refill decides how many generation rounds a step takes (DAPO dynamic sampling).
+- In-flight controllers decide to continue, pause, abort or fork requests while they generate,
+  over any generator (inflight.py: the protocol; `control.inflight = none | april |
+  package.module:factory`).
 """
 
 from rollwise.stages.control.base import Selector, build_selector
+from rollwise.stages.control.inflight import Decision, InflightController, build_inflight
 
-__all__ = ["Selector", "build_selector"]
+__all__ = ["Decision", "InflightController", "Selector", "build_selector", "build_inflight"]

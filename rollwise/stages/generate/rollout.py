@@ -63,11 +63,12 @@ class Rollout:
 
     # ---- the driver --------------------------------------------------------------------------
     def _submit(self, group: Group, s: Sample) -> None:
-        if s.num_tokens:
+        params = self.params
+        if s.num_tokens:  # resumed: only what is left of the budget
             s.meta["resumed"] = s.meta.get("resumed", 0) + 1
+            params = dataclasses.replace(params,
+                                         max_new_tokens=params.max_new_tokens - s.num_tokens)
         s.status = Status.RUNNING
-        params = dataclasses.replace(self.params,
-                                     max_new_tokens=self.params.max_new_tokens - s.num_tokens)
         seq_id = self.engine.add(Request(s.prompt_ids + s.response_ids, params, s.uid))
         self._owner[seq_id] = (group, s, s.num_tokens)
 
