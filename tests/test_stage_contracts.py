@@ -361,3 +361,55 @@ def test_engine_segment_and_kv_budget_from_the_config_take_effect(tiny):
     # a request whose prompt + budget cannot fit 40 KV positions is refused, naming the budget
     with pytest.raises(ValueError, match="kv_budget_tokens=40"):
         engine.generate([Request(list(range(5, 45)), SamplingParams(max_new_tokens=8))])
+
+
+# ---- Verifier ---------------------------------------------------------------------------------
+
+class ParityVerifier:
+    """Reference verifier: 1 for an even-length response."""
+
+    name, isolated = "parity", False
+
+    def score(self, items):
+        from rollwise.stages.filter.base import Verdict
+        return [Verdict({self.name: float(len(it.text) % 2 == 0)}, "") for it in items]
+
+    def metrics(self):
+        return {}
+
+
+@pytest.mark.parametrize("verifier", implementations("verifier", ParityVerifier), ids=name)
+def test_verifier_contract(tiny, verifier):
+    """One verdict per item, in order: its own channel as a finite float, or a failure with a
+    cause (a verifier that cannot score a sample fails that sample, never the batch). The
+    unchecked output of an in-process verifier already has one verdict per item."""
+    import math
+
+    from rollwise.stages.filter.base import Item, Verdict, score_checked
+    from rollwise.stages.filter.stage import make_verifier
+    task = type("T", (), {"extract_answer": staticmethod(lambda t: t.strip() or None),
+                          "score_fn": None})()
+    if isinstance(verifier, str):
+        v = make_verifier(verifier, FilterConfig(), task)
+        v.name = verifier
+    else:
+        v = verifier()
+    if hasattr(v, "attach"):  # the judge grades with an engine: the tiny policy's
+        v.attach(Engine(tiny[0], seed=0), tiny[1])
+    problems = [Problem("a", "1+1=", "2", data={"tests": [{"input": "", "output": "2"}]}),
+                Problem("b", "2+2=", "4", data={"tests": [{"input": "", "output": "4"}]})]
+    texts = ["2", "print(4)", "", "5", "\\boxed{4}"]
+    items = [Item(t, problems[i % 2], t.strip() or None, len(t), i // 2)
+             for i, t in enumerate(texts)]
+    if not v.isolated:
+        assert len(v.score(items)) == len(items)
+    # as the Filter stage runs it: a batch in-process, or one item at a time when isolated (where
+    # a raise fails that item; the worker pool does the same with a timeout)
+    out = score_checked(v, items) if not v.isolated else \
+        [score_checked(v, [it])[0] for it in items]
+    assert len(out) == len(items)
+    for verdict in out:
+        assert isinstance(verdict, Verdict)
+        assert verdict.failed or (v.name in verdict.rewards
+                                  and math.isfinite(float(verdict.rewards[v.name])))
+    assert isinstance(v.metrics() or {}, dict)
