@@ -304,6 +304,13 @@ class TrainConfig(Section):
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps
     them apart): the same log-probabilities up to float rounding, for fewer tokens. Checked
     against the padded pass on the first update; a model that disagrees is not packed."""
+    loss_denominator: Literal["kept", "generated"] = "kept"
+    """What the loss is divided by. 'kept': the sequences (or tokens, per loss_agg) trained on,
+    so each weighs more as fewer groups carry a signal. 'generated': every sequence the step
+    generated, the groups Filter dropped (all advantages 0) included, as TRL's GRPOTrainer and
+    verl without dynamic sampling normalise over the whole generation batch (the loss shrinks as
+    groups saturate). Under AdamW both learn the same per step (BENCHMARKS.md, "Learning per
+    step against TRL")."""
     skip_zero_advantage: bool = True
     """Run no forward or backward pass for samples whose every token has advantage 0 (all
     of a group with equal rewards, under GRPO): with ppo_clip, dual_clip or gspo, no entropy

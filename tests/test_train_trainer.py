@@ -366,3 +366,34 @@ def test_minibatch_groups_cannot_map_onto_trl():
         trl_batch_args(load_config(None, ["train.minibatch_groups=2"]))
     with pytest.raises(ValueError):
         load_config(None, ["train.minibatch_groups=0"])
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_dropped_groups_count_in_the_denominators_as_if_they_were_trained_on(tiny, agg):
+    """loss_denominator = generated: training on the kept groups while the dropped ones (all
+    advantages 0) only count in the denominators gives the gradient of training on all of
+    them, computed here the long way (every group through the trainer, one optimizer step so
+    the minibatch split cannot differ). loss_denominator = kept ignores them: a larger
+    gradient, by the ratio of the counts (gradient clipping off)."""
+    model, tok = tiny
+    groups = _equal_rewards(make_groups(model, tok, n_prompts=4, group_size=4,
+                                        max_new_tokens=6, seed=5), [1, 3])
+    kept, dropped = [groups[0], groups[2]], [groups[1], groups[3]]
+    grads = {}
+    for mode, trained, absent in [("all", groups, []), ("generated", kept, dropped),
+                                  ("kept", kept, dropped)]:
+        cfg = TrainConfig(loss_agg=agg, minibatches=1, grad_clip=1e9,
+                          loss_denominator="kept" if mode == "all" else mode)
+        trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=1)
+        seen = capture_grads(trainer)
+        trainer.update(clone(trained), clone(absent))
+        grads[mode] = torch.cat([g.flatten() for g in seen[0]])
+    ref = grads["all"]
+    assert ref.abs().max() > 0
+    assert (grads["generated"] - ref).abs().max() <= 1e-6 * ref.abs().max()
+    if agg == "seq-mean-token-mean":  # 16 sequences against the 8 kept ones
+        assert torch.allclose(grads["kept"], 2 * ref, rtol=1e-4, atol=1e-7)
+    else:  # every token of the 16 sequences against the kept ones' tokens
+        n_all = sum(s.num_tokens for g in groups for s in g.samples)
+        n_kept = sum(s.num_tokens for g in kept for s in g.samples)
+        assert torch.allclose(grads["kept"], ref * n_all / n_kept, rtol=1e-4, atol=1e-7)

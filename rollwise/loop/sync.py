@@ -105,7 +105,7 @@ class Run:
         replayed = self.replay.take(want, version, self.rng)                   # Replay
         r = StepResult(step, [], [], ledger, version, 0,
                        replay=self.replay.metrics(replayed, want, version))
-        kept, want = [], want - len(replayed)
+        kept, dropped, want = [], [], want - len(replayed)
         for n in self.control.rounds(want, kept):                              # Control
             self.progress.phase("generate")
             groups = generate_round(self.engine, self.generator, self.control,  # Generate
@@ -113,7 +113,8 @@ class Run:
             self.progress.phase("score")
             _add(r.filter, self.filter.score(groups))                          # Filter
             r.scored += groups
-            kept += [g for g in groups if keep(self.filter, g, ledger)]
+            for g in groups:
+                (kept if keep(self.filter, g, ledger) else dropped).append(g)
         r.trained = self.control.trim(kept, want, ledger) + replayed
         # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
         # carry tokens decoded in earlier steps and leave some of this step's in flight
@@ -122,7 +123,7 @@ class Run:
         self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
         self.progress.phase("train")
         t1 = time.time()
-        r.train = self.trainer.update(r.trained)                               # train
+        r.train = self.trainer.update(r.trained, dropped)                      # train
         r.seconds["train"], r.version = time.time() - t1, self.trainer.version
         self.progress.phase("sync")
         r.sync = self.sync.push()                                              # sync

@@ -54,6 +54,9 @@ class Prepared:
     # (rows, logp, entropy) of the first minibatch's moving rows, from a pass with gradient
     # taken before the update: the first optimizer step reuses it instead of a second forward
     first: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # sequences and tokens of the step's dropped groups that count in the loss's denominators
+    # (train.loss_denominator = generated), spread over the minibatches by their share of rows
+    absent: tuple[float, float] = (0.0, 0.0)
 
     def rows(self, idx: torch.Tensor, T: int) -> dict[str, torch.Tensor | None]:
         cut = lambda x: None if x is None else x[idx][:, :T]  # noqa: E731
@@ -276,8 +279,11 @@ class Trainer:
 
     # ----------------------------------------------------------------------- the update
 
-    def update(self, groups: list[Group]) -> dict[str, float]:
-        """One policy update on these groups; bumps the policy version."""
+    def update(self, groups: list[Group], dropped: list[Group] = ()) -> dict[str, float]:
+        """One policy update on these groups; bumps the policy version. `dropped`: the groups
+        the step generated but Filter left out (their advantages are all 0); with
+        train.loss_denominator = generated they count in the loss's denominators, as if they
+        were in the batch, at no compute."""
         self.model.train()
         metrics: dict[str, float] = {"train/samples": float(sum(len(g.samples) for g in groups))}
         groups = [g for g in groups if g.samples]
@@ -289,6 +295,10 @@ class Trainer:
         orders = [torch.randperm(size, generator=gen) for _ in range(self.cfg.epochs)]
         n_chunks = min(self.optimizer_steps(len(groups)), size)
         prep, m = self.prepare(groups, orders[0].chunk(n_chunks)[0])
+        if self.cfg.loss_denominator == "generated":
+            lengths = [sum(s.loss_mask) for g in dropped for s in g.samples]
+            prep.absent = (float(sum(n > 0 for n in lengths)), float(sum(lengths)))
+            m["loss_denominator_dropped_samples"] = prep.absent[0]
         metrics.update({f"train/{k}": v for k, v in m.items()})
         sums: dict[str, float] = {}
         n_mb = 0
@@ -320,6 +330,9 @@ class Trainer:
         num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
         if num_tokens == 0:  # everything was dropped: no step (Adam would still move)
             return {"skipped_frac": 1.0}
+        share = len(idx) / prep.batch.size  # this minibatch's share of the dropped groups
+        num_seqs, num_tokens = num_seqs + prep.absent[0] * share, \
+            num_tokens + prep.absent[1] * share
         self.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.micro_batch_size or len(idx)
         acc: dict[str, float] = {}
