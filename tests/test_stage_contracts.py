@@ -413,3 +413,17 @@ def test_verifier_contract(tiny, verifier):
         assert verdict.failed or (v.name in verdict.rewards
                                   and math.isfinite(float(verdict.rewards[v.name])))
     assert isinstance(v.metrics() or {}, dict)
+
+
+def test_a_controller_that_releases_paused_samples_is_stopped_with_the_reason(tiny):
+    model, tok = tiny
+    cfg = Config.model_validate({"generate": {"group_size": 2, "max_new_tokens": 12}})
+
+    class ReleasesPaused(CapController):
+        def on_event(self, event, sample, rollout):
+            return Decision("pause", "halfway")
+    engine = Engine(model, seed=0, segment=2)
+    params = sampling_params(cfg.generate, tok.eos_token_id)
+    with pytest.raises(RuntimeError, match="ReleasesPaused released .* unfinished"):
+        generate_round(engine, build("generator", "group", cfg, tok), Loop(ReleasesPaused()),
+                       params, 2, 1, Ledger())

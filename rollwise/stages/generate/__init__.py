@@ -36,7 +36,13 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
         rollout.add(g)
     generator.generate(rollout, control.select(fresh, step, ledger), step)
     rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
-    return control.inflight.end(rollout, n)
+    groups = control.inflight.end(rollout, n)
+    unfinished = [s.uid for g in groups for s in g.samples if not s.finished]
+    if unfinished:  # a plugin's bug: a paused sample must never be scored or trained on
+        raise RuntimeError(f"the in-flight controller {type(control.inflight).__name__} "
+                           f"released {len(unfinished)} unfinished sample(s) (e.g. "
+                           f"{unfinished[0]}) for scoring; keep paused samples until they finish")
+    return groups
 
 
 __all__ = ["Generator", "Rollout", "build_generator", "generate_round"]
