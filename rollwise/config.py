@@ -26,6 +26,18 @@ def Seam(kind: str, key: str):  # noqa: N802 (a type)
     return Annotated[str, AfterValidator(lambda v: registry.check(kind, v, key))]
 
 
+EngineBackendName = Seam("engine", "engine.backend")
+GenerateStrategyName = Seam("generator", "generate.strategy")
+ControlSelectorName = Seam("selector", "control.selector")
+ControlInflightName = Seam("inflight", "control.inflight")
+ReplayStrategyName = Seam("replay", "replay.strategy")
+TrainAdvantageName = Seam("advantage", "train.advantage")
+TrainTokenShapingName = Seam("token_shaping", "train.token_shaping")
+TrainLossName = Seam("policy_loss", "train.loss")
+TrainLossAggName = Seam("aggregation", "train.loss_agg")
+TrainKlEstimatorName = Seam("kl", "train.kl_estimator")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -76,7 +88,7 @@ class TaskConfig(Section):
 
 
 class EngineConfig(Section):
-    backend: Seam("engine", "engine.backend") = "builtin"
+    backend: EngineBackendName = "builtin"
     """builtin (rollwise's engine), vllm (needs the vllm extra), or 'package.module:factory'
     called as factory(cfg, model, tokenizer, run_dir)."""
     max_batch: int = Field(1024, gt=0)
@@ -89,7 +101,7 @@ class EngineConfig(Section):
 
 
 class GenerateConfig(Section):
-    strategy: Seam("generator", "generate.strategy") = "group"
+    strategy: GenerateStrategyName = "group"
     """How trajectories are proposed: group (i.i.d. samples per prompt), or
     'package.module:factory' called as factory(cfg, tokenizer) (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
@@ -161,7 +173,7 @@ class FilterConfig(Section):
 
 
 class ControlConfig(Section):
-    selector: Seam("selector", "control.selector") = "uniform"
+    selector: ControlSelectorName = "uniform"
     """uniform; thompson (MoPPS Beta-Bernoulli); dps (Dynamics-Predictive Sampling); or
     'package.module:factory' called as factory(cfg) (rollwise.stages.control)."""
     prompts_per_step: int = Field(64, gt=0)
@@ -174,7 +186,7 @@ class ControlConfig(Section):
     """DPS / Thompson: per-update decay of the per-prompt counts toward their prior."""
     target_success: float = Field(0.5, gt=0, lt=1)
     """Thompson: pick prompts whose sampled success rate is closest to this."""
-    inflight: Seam("inflight", "control.inflight") = "none"
+    inflight: ControlInflightName = "none"
     """In-flight control over any generator. none: every request runs to its end; april:
     partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
     first next step); or 'package.module:factory' called as factory(cfg)."""
@@ -204,7 +216,7 @@ class ReplayConfig(Section):
     """Rollout replay (DOTS RR, METHODS.md §2.8): fill `share` of each batch's prompt slots
     with groups drawn from a buffer of recent ones instead of generating them. Pair it with
     train.correction.mode=tis (the decoupled clip) so stale tokens are corrected."""
-    strategy: Seam("replay", "replay.strategy") = "buffer"
+    strategy: ReplayStrategyName = "buffer"
     """What replay does when enabled: buffer (the DOTS rollout buffer) or
     'package.module:factory' called as factory(cfg) (rollwise.stages.replay)."""
     share: float = Field(0.5, ge=0, lt=1)
@@ -258,19 +270,19 @@ class CorrectionConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
-    advantage: Seam("advantage", "train.advantage") = "grpo"
+    advantage: TrainAdvantageName = "grpo"
     """Advantage estimator (rollwise.train.advantages): grpo, dr_grpo, rloo, reinforce_pp,
     reinforce_pp_baseline, mc_grpo, gdpo, or 'package.module:function'."""
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
     advantage_clip: float | None = Field(None, gt=0)
     """Cap |advantage| (MC-GRPO gives |A| = 1000 when a group's MAD is 0); None: no cap."""
-    token_shaping: Seam("token_shaping", "train.token_shaping") = "none"
+    token_shaping: TrainTokenShapingName = "none"
     """Per-token advantage hook: a registered name or 'package.module:function'."""
-    loss: Seam("policy_loss", "train.loss") = "ppo_clip"
+    loss: TrainLossName = "ppo_clip"
     """Policy loss (rollwise.train.losses): ppo_clip, dual_clip, gspo (wants clip_low/high near
     3e-4/4e-4), or 'package.module:function'."""
-    loss_agg: Seam("aggregation", "train.loss_agg") = "seq-mean-token-mean"
+    loss_agg: TrainLossAggName = "seq-mean-token-mean"
     """GRPO: seq-mean-token-mean; DAPO: token-mean; Dr.GRPO: seq-mean-token-sum-norm."""
     norm_length: int | None = Field(None, gt=0)
     """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO: the generation budget); None
@@ -281,7 +293,7 @@ class TrainConfig(Section):
     """Dual-clip bound on negative-advantage tokens (loss 'dual_clip')."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: loss -= entropy_coef * token entropy."""
-    kl_estimator: Seam("kl", "train.kl_estimator") = "k3"
+    kl_estimator: TrainKlEstimatorName = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
     """KL to the initial policy as a loss term, or subtracted from the reward (summed over
     the response) before the advantages."""
