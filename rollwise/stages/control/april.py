@@ -34,10 +34,10 @@ class April:
     def begin(self, want: int, step: int) -> tuple[list[Group], int]:
         carried, self.carry = self.carry, []
         self.want, self.step = want, step
-        complete = [g for g in carried if all(s.finished for s in g.samples)]
-        if len(complete) >= want:  # the batch is there already: resume nothing this round
-            self.carry = [g for g in carried if not all(s.finished for s in g.samples)]
-            return complete, 0
+        done = [all(s.finished for s in g.samples) for g in carried]
+        if sum(done) >= want:  # the batch is there already: resume nothing this round
+            self.carry = [g for g, d in zip(carried, done) if not d]
+            return [g for g, d in zip(carried, done) if d], 0
         return carried, max(0, math.ceil(self.over * want) - len(carried))
 
     def on_event(self, event, sample, rollout) -> Decision:
