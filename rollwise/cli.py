@@ -67,6 +67,7 @@ def cmd_eval(args) -> int:
     from rollwise.evaluate import evaluate
     from rollwise.stages.filter import eval_scorer
     from rollwise.tasks import load_task
+    from rollwise.tasks.prompts import Prompter
     cfg = _load(args)
     model_dir = Path(args.model)
     run_cfg = model_dir.parent / "config.yaml"
@@ -75,7 +76,8 @@ def cmd_eval(args) -> int:
     model, tok = models.load_model(model_dir, cfg.model.dtype)
     task = load_task(cfg.task)
     scorer = eval_scorer(cfg.filter, task)
-    metrics = evaluate(Engine(model, copy_model=False), tok,
+    prompter = Prompter.for_task(cfg.task, tok, task, model)
+    metrics = evaluate(Engine(model, copy_model=False), prompter,
                        task.eval, scorer, cfg.generate.max_new_tokens, cfg.run.eval_samples,
                        cfg.run.eval_temperature)
     print(json.dumps(metrics, indent=2))
@@ -85,11 +87,14 @@ def cmd_eval(args) -> int:
 def cmd_generate(args) -> int:
     from rollwise import models
     from rollwise.engine import Engine, Request, SamplingParams
+    from rollwise.config import TaskConfig
+    from rollwise.tasks.prompts import Prompter
     model, tok = models.load_model(args.model)
     engine = Engine(model, copy_model=False, seed=args.seed)
+    prompter = Prompter(TaskConfig(), tok, model_config=model.generation_config)  # chat: auto
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            stop_ids=(tok.eos_token_id,))
-    ids = tok(args.prompt)["input_ids"]
+                            stop_ids=prompter.stop_ids)
+    ids = prompter.encode(args.prompt)
     for c in engine.generate([Request(ids, params, i) for i in range(args.n)]):
         text = tok.decode(c.token_ids, skip_special_tokens=True)
         print(f"{text!r}  logprob {sum(c.logprobs):.3f}  ({c.finish_reason})")

@@ -81,10 +81,35 @@ class TaskConfig(Section):
         return self
 
     path: str | None = None
-    """For name='file': a .jsonl or .parquet file of (prompt, answer) rows."""
+    """For name='file': a .jsonl or .parquet file of (prompt, answer) rows. A prompt is a
+    string or a list of chat messages [{"role", "content"}, ...] (TRL's conversational format,
+    verl's Parquet files)."""
     eval_path: str | None = None
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    """A column, or a dotted path into one (verl's Parquet: reward_model.ground_truth)."""
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    """auto: render prompts with the tokenizer's chat template (and the generation prompt) when
+    it has one, except the built-in arith tiers, which keep their plain prompts; on: always
+    (an error when the tokenizer has none); off: plain text."""
+    system_prompt: str | None = None
+    """A system message put before each prompt that has none (plain text: its first line)."""
+    prompt_template: str | None = None
+    """Wraps the (last user message of the) prompt; '{prompt}' marks where it goes, e.g.
+    '{prompt} Put the final answer in \\boxed{}.'"""
+    answer_format: Literal["auto", "answer_tag", "boxed", "answer_is", "last_number",
+                           "last_line"] = "auto"
+    """How reasoning-gym and file tasks find the answer in a response (filter.extract
+    overrides it): auto tries <answer>...</answer>, \\boxed{}, "the answer is", then the last
+    line. The built-in arith tiers keep their own extraction."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, v):
+        if v is not None and "{prompt}" not in v:
+            raise ValueError("must contain '{prompt}' where the problem's text goes, e.g. "
+                             "'{prompt} Put the final answer in \\boxed{}.'")
+        return v
 
 
 class EngineConfig(Section):

@@ -7,25 +7,27 @@ from collections import defaultdict
 from rollwise.engine import Engine, Request, SamplingParams
 from rollwise.stages.filter import Scorer
 from rollwise.tasks import Problem
+from rollwise.tasks.prompts import Prompter
 
 EVAL_SEED = 1_000_003  # sampled evals draw from fixed seeds: the same call gives the same number
 
 
-def evaluate(engine: Engine, tokenizer, problems: list[Problem], scorer: Scorer,
+def evaluate(engine: Engine, prompter: Prompter, problems: list[Problem], scorer: Scorer,
              max_new_tokens: int, samples: int = 1, temperature: float = 0.0
              ) -> dict[str, float]:
     """pass@1: greedy (temperature 0), or the mean success of `samples` draws per prompt at
-    `temperature`, the unbiased pass@1 estimate of the sampled policy."""
+    `temperature`, the unbiased pass@1 estimate of the sampled policy. Prompts and stop tokens
+    are the prompter's, as in training."""
     if samples > 1 and temperature == 0:
         raise ValueError(f"{samples} eval samples at temperature 0 are {samples} copies of "
                          "the greedy answer: set a temperature > 0, or 1 sample")
-    stop = (tokenizer.eos_token_id,)
+    stop, tokenizer = prompter.stop_ids, prompter.tokenizer
 
     def params(i: int, j: int) -> SamplingParams:
         seed = None if temperature == 0 else EVAL_SEED + i * samples + j
         return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
                               stop_ids=stop, seed=seed)
-    requests = [Request(tokenizer(p.prompt)["input_ids"], params(i, j), i)
+    requests = [Request(prompter.ids(p), params(i, j), i)
                 for i, p in enumerate(problems) for j in range(samples)]
     per_prompt: dict[int, list[float]] = defaultdict(list)
     for r, c in zip(requests, engine.generate(requests)):

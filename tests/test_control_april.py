@@ -15,6 +15,7 @@ from rollwise.stages.generate.group import GroupGenerator, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks import Problem
 from rollwise.types import Status
+from rollwise.tasks.prompts import Prompter
 
 
 class Rounds:
@@ -23,8 +24,9 @@ class Rounds:
     def __init__(self, tok, cfg: Config, april: April):
         self.cfg, self.april = cfg, april
         self.gen = GroupGenerator(cfg, tok)
+        self.prompter = Prompter.plain(tok)
         # several stop ids so a random model's responses have very different lengths
-        self.params = dataclasses.replace(sampling_params(cfg.generate, tok.eos_token_id),
+        self.params = dataclasses.replace(sampling_params(cfg.generate, (tok.eos_token_id,)),
                                           stop_ids=tuple(range(1, 14)))
         problems = iter([Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer=str(2 * i))
                          for i in range(1000)])
@@ -36,7 +38,8 @@ class Rounds:
         return self.april.carry
 
     def generate(self, engine, select, want, step, ledger):
-        return generate_round(engine, self.gen, self, self.params, want, step, ledger)
+        return generate_round(engine, self.gen, self, self.params, want, step, ledger,
+                              self.prompter)
 
 
 def make(tiny, want=2, group_size=4, max_new=14):

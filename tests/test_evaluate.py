@@ -6,6 +6,7 @@ from rollwise.config import ConfigError, load_config
 from rollwise.engine import Engine, Request, SamplingParams
 from rollwise.evaluate import EVAL_SEED, evaluate
 from rollwise.tasks import Problem
+from rollwise.tasks.prompts import Prompter
 
 
 def parity(text, problem):
@@ -19,7 +20,7 @@ PROBLEMS = [Problem(f"p{i}", f"{i}+{i}=", str(2 * i), tier="ab"[i % 2]) for i in
 def test_sampled_pass1_is_the_mean_over_each_prompts_seeded_draws(tiny):
     model, tok = tiny
     engine = Engine(model)
-    got = evaluate(engine, tok, PROBLEMS, parity, 8, samples=3, temperature=1.0)
+    got = evaluate(engine, Prompter.plain(tok), PROBLEMS, parity, 8, samples=3, temperature=1.0)
     # the naive way: every draw on its own, one request at a time, averaged per prompt
     per_prompt = []
     for i, p in enumerate(PROBLEMS):
@@ -33,12 +34,12 @@ def test_sampled_pass1_is_the_mean_over_each_prompts_seeded_draws(tiny):
     assert got["eval/pass1"] == pytest.approx(sum(per_prompt) / 6)
     assert got["eval/pass1/a"] == pytest.approx(sum(per_prompt[0::2]) / 3)
     assert 0 < got["eval/pass1"] < 1  # the draws differ, so the test can tell means apart
-    assert evaluate(engine, tok, PROBLEMS, parity, 8, samples=3, temperature=1.0) == got
+    assert evaluate(engine, Prompter.plain(tok), PROBLEMS, parity, 8, samples=3, temperature=1.0) == got
 
 
 def test_many_greedy_samples_are_refused(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="temperature > 0"):
-        evaluate(Engine(model), tok, PROBLEMS, parity, 8, samples=4)
+        evaluate(Engine(model), Prompter.plain(tok), PROBLEMS, parity, 8, samples=4)
     with pytest.raises(ConfigError, match="run.eval_temperature"):
         load_config(None, ["run.eval_samples=4"])

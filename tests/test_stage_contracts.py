@@ -23,6 +23,7 @@ from rollwise.stages.generate.group import new_sample, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks import Problem
 from rollwise.types import Group, Status
+from rollwise.tasks.prompts import Prompter
 
 PROBLEMS = [Problem(f"p{i}", f"{i}+{i % 7}=", str(i + i % 7), tier="ab"[i % 2])
             for i in range(200)]
@@ -176,14 +177,14 @@ def test_generator_and_controller_contract(tiny, generator, controller):
     gen = build("generator", generator, cfg, tok)
     loop = Loop(build("inflight", controller, cfg))
     # several stop ids so a random model's responses have very different lengths
-    params = dataclasses.replace(sampling_params(cfg.generate, tok.eos_token_id),
+    params = dataclasses.replace(sampling_params(cfg.generate, (tok.eos_token_id,)),
                                  stop_ids=tuple(range(1, 12)))
     engine = Engine(model, seed=0, max_batch=64, segment=2)
     weights = {0: copy.deepcopy(model)}
     seen, decisions = set(), Ledger()
     for step in range(1, 4):
         ledger = Ledger()
-        groups = generate_round(engine, gen, loop, params, 2, step, ledger)
+        groups = generate_round(engine, gen, loop, params, 2, step, ledger, Prompter.plain(tok))
         decisions.decisions.update(ledger.decisions)
         assert len(groups) <= 2 and not engine.has_unfinished()
         for g in groups:
@@ -231,10 +232,10 @@ def test_an_everyone_decision_pauses_every_unfinished_request_and_counts_them(ti
             return []
     stop = StopAtFirstEvent()
     engine = Engine(model, seed=0, segment=2)
-    params = sampling_params(cfg.generate, tok.eos_token_id)
+    params = sampling_params(cfg.generate, (tok.eos_token_id,))
     ledger = Ledger()
     gen = build("generator", "group", cfg, tok)
-    assert generate_round(engine, gen, Loop(stop), params, 3, 1, ledger) == []
+    assert generate_round(engine, gen, Loop(stop), params, 3, 1, ledger, Prompter.plain(tok)) == []
     paused = [s for g in stop.groups for s in g.samples if s.status == Status.PAUSED]
     assert paused and not engine.has_unfinished()
     assert ledger.decisions["control/pause/enough"] == len(paused)
@@ -423,7 +424,7 @@ def test_a_controller_that_releases_paused_samples_is_stopped_with_the_reason(ti
         def on_event(self, event, sample, rollout):
             return Decision("pause", "halfway")
     engine = Engine(model, seed=0, segment=2)
-    params = sampling_params(cfg.generate, tok.eos_token_id)
+    params = sampling_params(cfg.generate, (tok.eos_token_id,))
     with pytest.raises(RuntimeError, match="ReleasesPaused released .* unfinished"):
         generate_round(engine, build("generator", "group", cfg, tok), Loop(ReleasesPaused()),
-                       params, 2, 1, Ledger())
+                       params, 2, 1, Ledger(), Prompter.plain(tok))

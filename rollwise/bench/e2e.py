@@ -82,9 +82,11 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
     from rollwise.evaluate import evaluate
     from rollwise.stages.filter import make_scorer
     from rollwise.tasks import load_task
+    from rollwise.tasks.prompts import Prompter
     task = load_task(cfg.task)
     tok = models.load_tokenizer(warm)
     scorer = make_scorer("exact", task)
+    prompter = Prompter.for_task(cfg.task, tok, task)
 
     def eval_fn(model):  # the same held-out greedy pass@1 as rollwise's loop
         # A fresh copy: accelerate wraps the instance's forward in a closure over the
@@ -93,7 +95,7 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
         clone.load_state_dict(model.state_dict())
         engine = Engine(clone.eval(), max_batch=cfg.engine.max_batch,
                         copy_model=False)
-        return evaluate(engine, tok, task.eval, scorer, cfg.generate.max_new_tokens)
+        return evaluate(engine, prompter, task.eval, scorer, cfg.generate.max_new_tokens)
     out_dir = Path(cfg.run.root) / cfg.run.name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(dump_config(cfg))

@@ -37,6 +37,7 @@ from rollwise.store import killpoint
 from rollwise.store.rollouts import RolloutStore
 from rollwise.sync import build_sync
 from rollwise.tasks import load_task
+from rollwise.tasks.prompts import Prompter
 from rollwise.train.sft import warm_start
 from rollwise.train.trainer import Trainer
 from rollwise.types import Group
@@ -83,7 +84,8 @@ class Run:
             self.filter.attach_engine(self.engine, self.tokenizer)
         self.control = Control(cfg, self.task, self.rng)
         self.generator = build_generator(cfg, self.tokenizer)
-        self.params = sampling_params(cfg.generate, self.tokenizer.eos_token_id)
+        self.prompter = Prompter.for_task(cfg.task, self.tokenizer, self.task, model)
+        self.params = sampling_params(cfg.generate, self.prompter.stop_ids)
         self.replay = build_replay(cfg)
         self.eval_scorer = eval_scorer(cfg.filter, self.task)
         self.store = RolloutStore(self.dir / "rollouts", log=progress.log)  # repairs a crash
@@ -93,7 +95,7 @@ class Run:
 
     def evaluate(self) -> dict[str, float]:
         run = self.cfg.run
-        return evaluate(self.engine, self.tokenizer, self.task.eval, self.eval_scorer,
+        return evaluate(self.engine, self.prompter, self.task.eval, self.eval_scorer,
                         self.cfg.generate.max_new_tokens, run.eval_samples, run.eval_temperature)
 
     def step(self, step: int) -> StepResult:
@@ -109,7 +111,7 @@ class Run:
         for n in self.control.rounds(want, kept):                              # Control
             self.progress.phase("generate")
             groups = generate_round(self.engine, self.generator, self.control,  # Generate
-                                    self.params, n, step, ledger)
+                                    self.params, n, step, ledger, self.prompter)
             self.progress.phase("score")
             _add(r.filter, self.filter.score(groups))                          # Filter
             r.scored += groups
@@ -144,7 +146,7 @@ class Run:
 
     def persist(self, step: int, groups: list[Group], timings: dict | None = None) -> None:
         samples = [s for g in groups for s in g.samples]
-        prompts = [g.problem.prompt for g in groups for _ in g.samples]
+        prompts = [self.prompter.text(g.problem) for g in groups for _ in g.samples]
         self.store.append(step, samples, prompts, [self.decode(s.response_ids) for s in samples],
                           {**(timings or {}), "written_at": time.time()})
 

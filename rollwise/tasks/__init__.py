@@ -16,11 +16,12 @@ from rollwise.config import TaskConfig
 @dataclass
 class Problem:
     id: str
-    prompt: str
+    prompt: str | list[dict]  # text, or chat messages [{"role", "content"}, ...]
     answer: str
     tier: str = "all"
     solution: str | None = None  # worked response for the supervised warm start
     data: dict[str, Any] = field(default_factory=dict)  # source row, for custom verifiers
+    prompt_ids: list[int] | None = None  # made once by rollwise.tasks.prompts.Prompter
 
 
 class Task(Protocol):
@@ -33,7 +34,12 @@ class Task(Protocol):
     """Task's own scorer (reasoning-gym); None uses the configured verifier."""
 
 
-def load_task(cfg: TaskConfig) -> Task:
+def load_task(cfg: TaskConfig, rows: Any = None, eval_rows: Any = None) -> Task:
+    """The configured task; rows / eval_rows: an in-memory dataset (list of dicts or a
+    datasets.Dataset) used as task.name='file' rows."""
+    if rows is not None:
+        from rollwise.tasks.files import FileTask
+        return FileTask(cfg, rows, eval_rows)
     if cfg.name == "arith":
         from rollwise.tasks.arith import ArithTask
         return ArithTask(cfg)

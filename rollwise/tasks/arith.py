@@ -46,6 +46,7 @@ def noisy_answer(value: int, rng: random.Random) -> str:
 
 class ArithTask:
     score_fn = None
+    plain_prompts = True  # the character model's own format: no chat template under 'auto'
 
     def __init__(self, cfg: TaskConfig):
         unknown = set(cfg.tiers) - set(TIERS)

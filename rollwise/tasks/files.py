@@ -1,8 +1,11 @@
-"""User datasets: JSONL or Parquet rows with a prompt and an answer column (names configurable).
+"""User datasets: rows with a prompt and an answer (column names configurable), from a JSONL or
+Parquet file, or in memory (a list of dicts or a `datasets.Dataset`, from rollwise.train).
 
-A malformed row is reported with its line (or row) number and skipped; the count of skipped
-rows is kept in `skipped`. The held-out split is task.eval_path, or the last task.eval_size
-rows when no eval file is given.
+A prompt is a non-empty string or a list of chat messages ({"role", "content"}); the answer
+field may be a dotted path into a nested column (verl's `reward_model.ground_truth`). A
+malformed row is reported with its line (or row) number and skipped; the count of skipped rows
+is kept in `skipped`. The held-out split is task.eval_path (or the eval rows given), else the
+last task.eval_size rows (at most a fifth).
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any, Iterable
 
 from rollwise.config import TaskConfig
+from rollwise.stages.filter.extract import task_extractor
 from rollwise.tasks import Problem
+from rollwise.tasks.prompts import check_messages
 
 log = logging.getLogger(__name__)
 
 
-def _rows(path: Path):
+def _file_rows(path: Path):
     """(line number, row dict or error text) for each record of a .jsonl or .parquet file."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -36,28 +42,48 @@ def _rows(path: Path):
             yield i, row if isinstance(row, dict) else "not a JSON object"
 
 
-def read_problems(path: str | Path, prompt_field: str, answer_field: str,
-                  split: str) -> tuple[list[Problem], list[str]]:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"task.path: {path} does not exist")
-    if path.suffix not in (".jsonl", ".json", ".parquet"):
-        raise ValueError(f"task.path: {path} must be a .jsonl or .parquet file")
+def _field(row: dict, path: str) -> Any:
+    """row[path], or the dotted path into nested mappings; None where a part is missing."""
+    if path in row:
+        return row[path]
+    node: Any = row
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _prompt_problem(prompt: Any, field: str) -> str | None:
+    """Why a prompt value is unusable, or None."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else f"field {field!r} is an empty string"
+    if isinstance(prompt, list):
+        why = check_messages(prompt)
+        return None if why is None else f"field {field!r}: {why}"
+    return (f"field {field!r} must be a non-empty string or a list of chat messages "
+            f"(got {type(prompt).__name__})")
+
+
+def parse_rows(rows: Iterable[tuple[int, Any]], where: str, prompt_field: str,
+               answer_field: str, split: str) -> tuple[list[Problem], list[str]]:
+    """Problems from (line number, row) pairs; errors name `where:line` and what is wrong."""
     problems, errors = [], []
-    for line, row in _rows(path):
+    for line, row in rows:
         if isinstance(row, str):
-            errors.append(f"{path}:{line}: {row}")
+            errors.append(f"{where}:{line}: {row}")
             continue
-        missing = [k for k in (prompt_field, answer_field) if k not in row or row[k] is None]
+        prompt, answer = _field(row, prompt_field), _field(row, answer_field)
+        missing = [k for k, v in ((prompt_field, prompt), (answer_field, answer)) if v is None]
         if missing:
-            errors.append(f"{path}:{line}: missing field(s) {missing} (set task.prompt_field / "
+            errors.append(f"{where}:{line}: missing field(s) {missing} (set task.prompt_field / "
                           f"task.answer_field if your columns are named differently)")
             continue
-        if not isinstance(row[prompt_field], str) or not str(row[prompt_field]).strip():
-            errors.append(f"{path}:{line}: field {prompt_field!r} must be a non-empty string")
+        why = _prompt_problem(prompt, prompt_field)
+        if why:
+            errors.append(f"{where}:{line}: {why}")
             continue
-        problems.append(Problem(id=f"{split}-{line}", prompt=row[prompt_field],
-                                answer=str(row[answer_field]).strip(),
+        problems.append(Problem(id=f"{split}-{line}", prompt=prompt, answer=str(answer).strip(),
                                 tier=str(row.get("tier", "all")),
                                 solution=row.get("solution"), data=row))
     for e in errors:
@@ -65,26 +91,54 @@ def read_problems(path: str | Path, prompt_field: str, answer_field: str,
     return problems, errors
 
 
+def read_problems(path: str | Path, prompt_field: str, answer_field: str,
+                  split: str) -> tuple[list[Problem], list[str]]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"task.path: {path} does not exist")
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"task.path: {path} must be a .jsonl or .parquet file")
+    return parse_rows(_file_rows(path), str(path), prompt_field, answer_field, split)
+
+
+def memory_rows(rows: Any) -> list[tuple[int, Any]]:
+    """(row number, dict) of a list of dicts or a datasets.Dataset (anything iterable of
+    mappings); a row that is not a mapping is reported by its number."""
+    if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__iter__"):
+        raise TypeError(f"dataset: give a list of dicts or a datasets.Dataset, not a "
+                        f"{type(rows).__name__}")
+    return [(i, dict(r) if hasattr(r, "keys") else "not a mapping")
+            for i, r in enumerate(rows, start=1)]
+
+
 class FileTask:
     score_fn = None
 
-    def __init__(self, cfg: TaskConfig):
-        if not cfg.path:
-            raise ValueError("task.name='file' needs task.path=<file.jsonl|file.parquet>")
-        rows, self.errors = read_problems(cfg.path, cfg.prompt_field, cfg.answer_field, "train")
-        if cfg.eval_path:
-            self.train = rows
-            self.eval, errs = read_problems(cfg.eval_path, cfg.prompt_field, cfg.answer_field,
-                                            "eval")
-            self.errors += errs
+    def __init__(self, cfg: TaskConfig, rows: Any = None, eval_rows: Any = None):
+        """rows / eval_rows: in-memory datasets in place of task.path / task.eval_path."""
+        self._extract = task_extractor(cfg.answer_format)
+        fields = (cfg.prompt_field, cfg.answer_field)
+        if rows is not None:
+            train, self.errors = parse_rows(memory_rows(rows), "dataset row", *fields, "train")
+        elif cfg.path:
+            train, self.errors = read_problems(cfg.path, *fields, "train")
         else:
-            n = min(cfg.eval_size, len(rows) // 5)
-            self.train, self.eval = rows[:len(rows) - n], rows[len(rows) - n:]
+            raise ValueError("task.name='file' needs task.path=<file.jsonl|file.parquet>")
+        if eval_rows is not None:
+            self.eval, errs = parse_rows(memory_rows(eval_rows), "eval row", *fields, "eval")
+            self.errors += errs
+            self.train = train
+        elif cfg.eval_path:
+            self.eval, errs = read_problems(cfg.eval_path, *fields, "eval")
+            self.errors += errs
+            self.train = train
+        else:
+            n = min(cfg.eval_size, len(train) // 5)
+            self.train, self.eval = train[:len(train) - n], train[len(train) - n:]
         self.skipped = len(self.errors)
         if not self.train or not self.eval:
-            raise ValueError(f"task.path {cfg.path}: no usable rows for train/eval "
-                             f"({self.skipped} skipped)")
+            raise ValueError(f"dataset {cfg.path or '(in memory)'}: no usable rows for "
+                             f"train/eval ({self.skipped} skipped)")
 
     def extract_answer(self, response: str) -> str | None:
-        text = response.strip()
-        return text.splitlines()[-1].strip() if text else None
+        return self._extract(response)

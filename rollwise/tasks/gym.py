@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from rollwise.config import TaskConfig
+from rollwise.stages.filter.extract import task_extractor
 from rollwise.tasks import Problem
 
 
 class GymTask:
     def __init__(self, cfg: TaskConfig):
         import reasoning_gym
+        self._extract = task_extractor(cfg.answer_format)
         name = cfg.name.split(":", 1)[1]
         try:
             train = reasoning_gym.create_dataset(name, size=cfg.train_size, seed=cfg.seed)
@@ -29,5 +31,4 @@ class GymTask:
         return float(self.dataset.score_answer(self.extract_answer(response), problem.data))
 
     def extract_answer(self, response: str) -> str | None:
-        text = response.strip()
-        return text.splitlines()[-1].strip() if text else None
+        return self._extract(response)

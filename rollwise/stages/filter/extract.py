@@ -4,6 +4,7 @@ answers are the same vote).
 Strategies, tried in the configured order until one finds something:
   task         the task's own extractor (built-in arith reverses its least-significant-first
                digits; reasoning-gym and file tasks take the last line)
+  answer_tag   the content of the last <answer>...</answer>
   boxed        the content of the last \\boxed{...} (braces balanced)
   answer_is    what follows the last "answer is" / "answer:" up to the end of its sentence
   last_number  the last number (integers, decimals, 1,000-style groups, a/b fractions)
@@ -16,8 +17,11 @@ import re
 from fractions import Fraction
 from typing import Callable
 
-STRATEGIES = ("task", "boxed", "answer_is", "last_number", "last_line")
+STRATEGIES = ("task", "answer_tag", "boxed", "answer_is", "last_number", "last_line")
+# task.answer_format=auto for reasoning-gym and file tasks: a chat model's usual markers first
+AUTO = ("answer_tag", "boxed", "answer_is", "last_line")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*(.+?)\s*(?:\.\s|\.$|\n|$)", re.IGNORECASE)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -32,6 +36,11 @@ def last_boxed(text: str) -> str | None:
         if depth == 0:
             return text[i:j].strip()
     return None  # unbalanced: no answer
+
+
+def answer_tag(text: str) -> str | None:
+    found = _ANSWER_TAG.findall(text)
+    return found[-1].strip() if found else None
 
 
 def answer_is(text: str) -> str | None:
@@ -49,23 +58,34 @@ def last_line(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def make_extractor(strategies: list[str], task) -> Callable[[str], str | None]:
-    """The configured extractor; [] means the task's own."""
-    order = list(strategies) or ["task"]
-    unknown = [s for s in order if s not in STRATEGIES]
+def chain(strategies, task=None, key: str = "filter.extract") -> Callable[[str], str | None]:
+    """The first non-empty answer the strategies find, in order ('task' needs a task)."""
+    unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
-        raise ValueError(f"filter.extract: unknown strategy {unknown}; choose from {STRATEGIES}")
-    fns = {"task": task.extract_answer, "boxed": last_boxed, "answer_is": answer_is,
+        raise ValueError(f"{key}: unknown strategy {unknown}; choose from {STRATEGIES}")
+    fns = {"answer_tag": answer_tag, "boxed": last_boxed, "answer_is": answer_is,
            "last_number": last_number, "last_line": last_line}
-    chain = [fns[s] for s in order]
+    if task is not None:
+        fns["task"] = task.extract_answer
+    fns = [fns[s] for s in strategies]
 
     def extract(text: str) -> str | None:
-        for fn in chain:
+        for fn in fns:
             got = fn(text)
             if got is not None and got.strip():
                 return got.strip()
         return None
     return extract
+
+
+def task_extractor(answer_format: str) -> Callable[[str], str | None]:
+    """A reasoning-gym or file task's own extractor (task.answer_format)."""
+    return chain(AUTO if answer_format == "auto" else (answer_format,), key="task.answer_format")
+
+
+def make_extractor(strategies: list[str], task) -> Callable[[str], str | None]:
+    """The configured extractor (filter.extract); [] means the task's own."""
+    return chain(list(strategies) or ["task"], task)
 
 
 def normalize(answer: str | None) -> str | None:

@@ -1,6 +1,7 @@
 """Generate stage: which trajectories are proposed, and their shape.
 
-A `Generator` turns the prompts Control selected into groups of samples, through the rollout
+A `Generator` turns the prompts Control selected (each Problem's `prompt_ids` made) into groups
+of samples, through the rollout
 driver (rollout.py), which feeds engine events into samples and applies the in-flight
 controller's decisions. `generate.strategy` picks one by name (rollwise.registry): group
 (i.i.d. samples, group.py), or 'package.module:factory' called as factory(cfg, tokenizer).
@@ -27,14 +28,15 @@ def build_generator(cfg, tokenizer) -> Generator:
 
 
 def generate_round(engine, generator: Generator, control, params, n: int, step: int,
-                   ledger) -> list:
+                   ledger, prompter) -> list:
     """One round of `n` groups: the in-flight controller's carried groups resume first, then
-    new prompts from Control; returns the groups the controller releases for scoring."""
+    new prompts from Control, their ids made by `prompter` (rollwise.tasks.prompts) before the
+    generator sees them; returns the groups the controller releases for scoring."""
     carried, fresh = control.inflight.begin(n, step)
     rollout = Rollout(engine, control.inflight, ledger, params)
     for g in carried:
         rollout.add(g)
-    generator.generate(rollout, control.select(fresh, step, ledger), step)
+    generator.generate(rollout, prompter.render(control.select(fresh, step, ledger)), step)
     rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
     groups = control.inflight.end(rollout, n)
     unfinished = [s.uid for g in groups for s in g.samples if not s.finished]

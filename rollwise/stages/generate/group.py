@@ -8,10 +8,10 @@ from rollwise.tasks import Problem
 from rollwise.types import Group, Sample
 
 
-def sampling_params(cfg, eos_id: int) -> SamplingParams:
-    """cfg: GenerateConfig."""
+def sampling_params(cfg, stop_ids: tuple[int, ...]) -> SamplingParams:
+    """cfg: GenerateConfig; stop_ids: the Prompter's (eos and the end-of-turn token)."""
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_new_tokens=cfg.max_new_tokens, stop_ids=(eos_id,))
+                          max_new_tokens=cfg.max_new_tokens, stop_ids=tuple(stop_ids))
 
 
 def new_sample(problem: Problem, prompt_ids: list[int], step: int) -> Sample:
@@ -26,8 +26,7 @@ class GroupGenerator:
         self.group_size, self.tokenizer = cfg.generate.group_size, tokenizer
 
     def generate(self, rollout: Rollout, problems: list[Problem], step: int) -> None:
-        for p in problems:
-            ids = self.tokenizer(p.prompt)["input_ids"]
-            rollout.add(Group(p.id, [new_sample(p, ids, step) for _ in range(self.group_size)],
-                              p))
+        for p in problems:  # prompt_ids: rendered once by the Prompter (rollwise.tasks.prompts)
+            rollout.add(Group(p.id, [new_sample(p, p.prompt_ids, step)
+                                     for _ in range(self.group_size)], p))
         rollout.run()
