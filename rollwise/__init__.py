@@ -1,4 +1,13 @@
 """rollwise: the rollout side of RL post-training of language models (Generate / Filter /
-Control / Replay). Entry points: `python -m rollwise --help`."""
+Control / Replay). Entry points: `python -m rollwise --help`, and in Python:
+
+    import rollwise
+    summary = rollwise.train(dataset=rows, reward=fn, train={"steps": 50})
+    cfg = rollwise.load_config("configs/default.yaml", ["train.lr=1e-4"])
+"""
+
+from rollwise.api import train
+from rollwise.config import load_config
 
 __version__ = "0.1.0"
+__all__ = ["load_config", "train"]

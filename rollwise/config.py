@@ -123,6 +123,23 @@ class EngineConfig(Section):
     kv_budget_tokens: int | None = Field(None, gt=0)
     """Cap on KV-cache positions (slots x length); None: bounded by max_batch only.
     vllm: the KV cache is sized to hold this many tokens."""
+    kv_budget_bytes: int | None = Field(None, gt=0)
+    """The same cap in bytes of K and V (2 x layers x kv heads x head dim x dtype size per
+    token); give this or kv_budget_tokens. vllm: its kv_cache_memory_bytes."""
+    gpu_memory_utilization: float = Field(0.45, gt=0, lt=1)
+    """vllm on a GPU beside the trainer: the share of the device's memory vLLM takes (weights
+    and KV cache); the trainer uses the rest. Ignored on CPU."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """vllm on a GPU: sleep while the trainer runs (1: weights offloaded to CPU, KV cache freed;
+    2: both freed), waking for the weight update after each step. 0: stay awake (memory split
+    by gpu_memory_utilization alone)."""
+
+    @model_validator(mode="after")
+    def _check_kv_budget(self):
+        if self.kv_budget_tokens and self.kv_budget_bytes:
+            raise ValueError("engine.kv_budget_tokens and engine.kv_budget_bytes both set: give "
+                             "one of them")
+        return self
 
 
 class GenerateConfig(Section):
@@ -314,6 +331,13 @@ class TrainConfig(Section):
     uses the longest response of each update."""
     micro_batch_size: int = Field(0, ge=0)
     """Samples per forward/backward; gradients accumulate over each minibatch. 0: whole."""
+    max_tokens_per_microbatch: int | None = Field(None, gt=0)
+    """Token budget of one forward pass (rows x their longest sequence, padded): micro-batches
+    and the log-probability passes are cut to fit it, so a batch of long responses fits in
+    memory; the gradient is the same. None: no bound (micro_batch_size alone)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory, ~30%
+    more compute); Hugging Face models' gradient_checkpointing_enable."""
     dual_clip_c: float = Field(3.0, gt=1)
     """Dual-clip bound on negative-advantage tokens (loss 'dual_clip')."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -410,6 +434,9 @@ class RunConfig(Section):
     name: str = "default"
     root: str = "runs"
     seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer and the built-in engine run: auto takes cuda when one is visible.
+    (vLLM places itself on the GPU when it has one.)"""
     eval_every: int = Field(10, gt=0)
     eval_samples: int = Field(1, ge=1)
     """Held-out pass@1 from this many samples per prompt at eval_temperature (1 at 0: greedy)."""
@@ -518,6 +545,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: '{p}' is not a section")
         node[parts[-1]] = value
+    return validate(data)
+
+
+def validate(data: dict) -> Config:
+    """A Config from plain data ({section: {key: value}}), or a ConfigError naming each bad
+    field, its value and what is allowed."""
     try:
         return Config.model_validate(data)
     except ValidationError as err:

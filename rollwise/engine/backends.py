@@ -8,8 +8,10 @@ factory(cfg, model, tokenizer, run_dir) -> an engine with the protocols of engin
 - vllm: vLLM in this process (rollwise.engine.vllm), from the model saved to
   run_dir/engine-model; the trainer's weights reach it through the same weight sync.
 
-Both read engine.max_batch, engine.segment and engine.kv_budget_tokens, and weights in
-sync.engine_dtype ('same': the trainer's).
+Both read engine.max_batch, engine.segment and engine.kv_budget_tokens (or _bytes), and weights
+in sync.engine_dtype ('same': the trainer's). The built-in engine runs where the model is
+(run.device); vLLM on a GPU shares it with the trainer: engine.gpu_memory_utilization splits the
+memory, and engine.sleep_level puts vLLM to sleep while the trainer works.
 """
 
 from __future__ import annotations
@@ -32,11 +34,32 @@ def engine_dtype(cfg, model) -> torch.dtype:
     return model.dtype if cfg.sync.engine_dtype == "same" else to_dtype(cfg.sync.engine_dtype)
 
 
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes in the cache of a model with this HF config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // \
+        config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * size
+
+
+def kv_budget_tokens(cfg, model) -> int | None:
+    """engine.kv_budget_tokens, or engine.kv_budget_bytes in tokens of this model's cache."""
+    e = cfg.engine
+    if e.kv_budget_bytes is None:
+        return e.kv_budget_tokens
+    per = kv_bytes_per_token(model.config, engine_dtype(cfg, model))
+    if e.kv_budget_bytes < per:
+        raise ValueError(f"engine.kv_budget_bytes = {e.kv_budget_bytes} holds no token of this "
+                         f"model's KV cache ({per} bytes per token); raise it")
+    return e.kv_budget_bytes // per
+
+
 def builtin(cfg, model, tokenizer=None, run_dir=None):
     from rollwise.engine.engine import Engine
     from rollwise.sync.engine_proc import WIRES, EngineProcess
     kwargs = dict(max_batch=cfg.engine.max_batch, seed=cfg.run.seed, segment=cfg.engine.segment,
-                  kv_budget_tokens=cfg.engine.kv_budget_tokens)
+                  kv_budget_tokens=kv_budget_tokens(cfg, model))
     dtype = None if cfg.sync.engine_dtype == "same" else engine_dtype(cfg, model)
     if cfg.sync.transport in WIRES:
         return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport], **kwargs)
@@ -60,9 +83,18 @@ def vllm(cfg, model, tokenizer, run_dir):
     dtype = engine_dtype(cfg, model)
     copy = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     models.save(model, tokenizer, path, copy)
-    extra = {}
-    if cfg.engine.kv_budget_tokens:  # vLLM sizes its KV cache in blocks of 16 tokens
-        extra["num_gpu_blocks_override"] = math.ceil(cfg.engine.kv_budget_tokens / 16)
-    return VLLMEngine(path, seed=cfg.run.seed, max_batch=min(cfg.engine.max_batch, 1024),
-                      segment=cfg.engine.segment, dtype=dtype_name(dtype),
+    e, extra = cfg.engine, {}
+    if e.kv_budget_bytes:
+        extra["kv_cache_memory_bytes"] = e.kv_budget_bytes
+    elif e.kv_budget_tokens:  # vLLM sizes its KV cache in blocks of 16 tokens
+        extra["num_gpu_blocks_override"] = math.ceil(e.kv_budget_tokens / 16)
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if e.sleep_level and not on_gpu:
+        raise ValueError(f"engine.sleep_level = {e.sleep_level} needs vLLM on a CUDA GPU "
+                         "(run.device=cuda); set engine.sleep_level=0 on CPU")
+    if on_gpu:  # colocated with the trainer: vLLM takes only its share of the device
+        extra["gpu_memory_utilization"] = e.gpu_memory_utilization
+        extra["enable_sleep_mode"] = e.sleep_level > 0
+    return VLLMEngine(path, seed=cfg.run.seed, max_batch=min(e.max_batch, 1024),
+                      segment=e.segment, dtype=dtype_name(dtype), sleep_level=e.sleep_level,
                       max_model_len=model.config.max_position_embeddings, **extra)

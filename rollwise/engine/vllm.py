@@ -43,7 +43,7 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 class VLLMEngine:
     def __init__(self, model_path: str | Path, *, seed: int = 0, version: int = 0,
                  max_batch: int = 64, segment: int = 16, dtype: str = "float32",
-                 entropy_logprobs: int = -1, **engine_kwargs):
+                 entropy_logprobs: int = -1, sleep_level: int = 0, **engine_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import EngineArgs, LLMEngine
         self.model_path = Path(model_path)
@@ -72,9 +72,11 @@ class VLLMEngine:
         self._last_dist: dict[int, dict[int, float]] = {}
         self._ready: list[Event] = []
         self._mirror: dict[str, torch.Tensor] | None = None
+        self.sleep_level, self.sleeping = sleep_level, False
 
     # ---- requests ---------------------------------------------------------------------------
     def add(self, request: Request) -> int:
+        self.wake()
         ids = list(request.prompt_ids)
         if not ids or min(ids) < 0 or max(ids) >= self._vocab:
             raise ValueError(f"request {request.id!r}: give a non-empty prompt of token ids in "
@@ -232,6 +234,26 @@ class VLLMEngine:
                 self._submit(child, seed)
         return out
 
+    # ---- sharing a GPU with the trainer ------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the GPU for the trainer (engine.sleep_level): no request may be in flight.
+        Paused sequences stay (they are resubmitted with their tokens on resume)."""
+        if not self.sleep_level or self.sleeping:
+            return
+        if self._live:
+            raise RuntimeError(f"sleep: {len(self._live)} sequence(s) still running; pause or "
+                               "finish them first")
+        self.llm.reset_prefix_cache()
+        self.llm.sleep(level=self.sleep_level)
+        self.sleeping = True
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Take the GPU back: tags=['weights'] first when new weights are to be written."""
+        if not self.sleeping:
+            return
+        self.llm.wake_up(tags)
+        self.sleeping = tags is not None and "kv_cache" not in tags
+
     # ---- weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, torch.Tensor | SparseUpdate | tuple],
                      version: int) -> None:
@@ -254,11 +276,16 @@ class VLLMEngine:
 
     def weights_written(self, version: int) -> None:
         """Reload the whole mirror into vLLM in place (its CPU kernels repack weights, so they
-        cannot be written directly), and drop cached prefixes computed with the old weights."""
+        cannot be written directly), and drop cached prefixes computed with the old weights.
+        A sleeping engine wakes its weights first, so the update is never lost to a sleep."""
+        if self.sleeping:
+            self.wake(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs=dict(
             weights_iterator=list(self.weight_tensors().items()), is_checkpoint_format=True))
         if self._tied:
             self.llm.apply_model(_retie_lm_head)
+        if self.sleeping:
+            self.wake(["kv_cache"])
         self.llm.reset_prefix_cache()
         self.version = version
 

@@ -14,12 +14,15 @@ import json
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rollwise import models
 from rollwise.config import Config, dump_config
+from rollwise.devices import resolve_device
 from rollwise.engine.backends import build_engine
 from rollwise.evaluate import evaluate
 from rollwise.loop.metrics import StepResult, step_metrics
@@ -48,7 +51,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def initial_model(cfg: Config, task, progress: Progress):
+@dataclass
+class Inputs:
+    """Python objects in place of config paths (rollwise.train): a loaded model and its
+    tokenizer, and dataset rows (a list of dicts or a datasets.Dataset)."""
+    model: Any = None
+    tokenizer: Any = None
+    rows: Any = None
+    eval_rows: Any = None
+
+
+def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None = None):
+    if inputs is not None and inputs.model is not None:
+        progress.log(f"initial model: {type(inputs.model).__name__} given in Python")
+        return inputs.model.to(models.DTYPES[cfg.model.dtype]), inputs.tokenizer
     if cfg.run.init:
         progress.log(f"initial model: {cfg.run.init}")
         return models.load_model(cfg.run.init, cfg.model.dtype)
@@ -58,11 +74,27 @@ def initial_model(cfg: Config, task, progress: Progress):
     return warm_start(cfg, task, log=progress.log)
 
 
+def preflight(cfg: Config, inputs: Inputs):
+    """Checks that need more than the config, made before any work (no warm start, no run
+    directory touched): the device exists; a required chat template is there. The device."""
+    device = resolve_device(cfg.run.device)
+    if cfg.task.chat_template == "on":
+        tok = inputs.tokenizer
+        path = cfg.run.init or cfg.model.path
+        if tok is None:
+            tok = models.load_tokenizer(path) if path else models.char_tokenizer()
+        Prompter(cfg.task, tok)  # raises, naming the fix, when the tokenizer has no template
+    return device
+
+
 class Run:
     """Holds the stages and parts of one training run; `step()` is one pass of the loop."""
 
-    def __init__(self, cfg: Config, progress: Progress, resume: bool = False):
+    def __init__(self, cfg: Config, progress: Progress, resume: bool = False,
+                 inputs: Inputs | None = None):
         self.cfg, self.progress = cfg, progress
+        inputs = inputs or Inputs()
+        self.device = preflight(cfg, inputs)
         seed_everything(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -72,8 +104,9 @@ class Run:
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(dump_config(cfg))
-        self.task = load_task(cfg.task)
-        model, self.tokenizer = initial_model(cfg, self.task, progress)
+        self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)
+        model, self.tokenizer = initial_model(cfg, self.task, progress, inputs)
+        model.to(self.device)
         self.trainer = Trainer(model, cfg.train, pad_id=self.tokenizer.pad_token_id,
                                seed=cfg.run.seed)
         self.engine = build_engine(cfg, model, self.tokenizer, self.dir)
@@ -123,6 +156,7 @@ class Run:
         r.decoded = self.engine.tokens_generated - decoded0
         r.seconds["gen"] = time.time() - t0
         self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
+        getattr(self.engine, "sleep", lambda: None)()  # a GPU shared with the trainer (vLLM)
         self.progress.phase("train")
         t1 = time.time()
         r.train = self.trainer.update(r.trained, dropped)                      # train
@@ -194,15 +228,16 @@ class Run:
         return state["loop"]
 
 
-def train(cfg: Config, progress: Progress | None = None, resume: bool = False) -> dict:
+def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
+          inputs: Inputs | None = None) -> dict:
     """Train; with resume, continue the run in run.root/run.name from its newest intact
-    checkpoint (starting over when it has none)."""
+    checkpoint (starting over when it has none). inputs: Python objects (rollwise.train)."""
     progress = progress or Progress(cfg.run.log, cfg.train.steps)
     wall0 = time.time()
     found = ckpt.latest(Path(cfg.run.root) / cfg.run.name, progress.log) if resume else None
     if resume and found is None:
         progress.log("no intact checkpoint to resume from: starting the run over")
-    run = Run(cfg, progress, resume=found is not None)
+    run = Run(cfg, progress, resume=found is not None, inputs=inputs)
     progress.log(f"run directory: {run.dir}  ({models.num_params(run.trainer.model) / 1e6:.2f}M "
                  f"parameters, {cfg.train.steps} steps of {cfg.control.prompts_per_step} prompts "
                  f"x {cfg.generate.group_size})")

@@ -18,7 +18,7 @@ hf_logging.disable_progress_bar()  # no per-save/load bars in the run's progress
 # Characters of the built-in tasks, plus a few letters for user prompts and hints.
 CHARSET = "0123456789+-*=;#.,:?() abcdefghijklmnopqrstuvwxyz"
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
@@ -40,7 +40,7 @@ def tiny_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int):
                   pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None)
     config = Qwen2Config(**common) if cfg.arch == "qwen2" else LlamaConfig(**common)
     model = AutoModelForCausalLM.from_config(config)
-    return model.to(_DTYPES[cfg.dtype])
+    return model.to(DTYPES[cfg.dtype])
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
@@ -51,7 +51,7 @@ def load_model(path: str | Path, dtype: str = "float32"):
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
     return model, load_tokenizer(path)
 
 

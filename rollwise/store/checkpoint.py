@@ -163,7 +163,8 @@ def trainer_state(trainer) -> dict:
     return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.scheduler.state_dict(), "version": trainer.version,
             "snapshots": getattr(trainer, "_snapshots", {}),
-            "ref_model": ref.state_dict() if ref is not None else None}
+            "ref_model": ref.state_dict() if ref is not None else None,
+            "master": trainer.master.state_dict() if getattr(trainer, "master", None) else None}
 
 
 def set_trainer_state(trainer, state: dict) -> None:
@@ -178,6 +179,8 @@ def set_trainer_state(trainer, state: dict) -> None:
         trainer._snapshots = state["snapshots"]
     if state["ref_model"] is not None and getattr(trainer, "ref_model", None) is not None:
         trainer.ref_model.load_state_dict(state["ref_model"])
+    if state.get("master") is not None and getattr(trainer, "master", None):
+        trainer.master.load_state_dict(state["master"])
 
 
 # ------------------------------------------------------------------------------- Ctrl-C

@@ -125,14 +125,17 @@ def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: boo
     if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # additive float mask
         mask = torch.zeros(mask.shape, dtype=model.dtype).masked_fill(
             ~mask, torch.finfo(model.dtype).min)
-    logits = model(input_ids=packed.input_ids, attention_mask=mask,
-                   position_ids=packed.position_ids, use_cache=False).logits  # see token_logprobs
-    picked = logits[packed.src_row, packed.src_pos].float().log_softmax(-1)  # (N, V)
+    dev, home = model.device, batch.input_ids.device  # the model's device; the batch stays home
+    logits = model(input_ids=packed.input_ids.to(dev), attention_mask=mask.to(dev),
+                   position_ids=packed.position_ids.to(dev), use_cache=False).logits
+    # (no KV cache: see token_logprobs)
+    picked = logits[packed.src_row.to(dev), packed.src_pos.to(dev)].float().log_softmax(-1)
     shape = (batch.size, batch.input_ids.shape[1] - 1)
-    logp = torch.zeros(shape, dtype=picked.dtype).index_put(
-        (packed.dst_row, packed.dst_col), picked.gather(-1, packed.target[:, None]).squeeze(-1))
+    logp_n = picked.gather(-1, packed.target.to(dev)[:, None]).squeeze(-1).to(home)
+    logp = torch.zeros(shape, dtype=picked.dtype).index_put((packed.dst_row, packed.dst_col),
+                                                            logp_n)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent_n = -(picked.exp() * picked).sum(-1)
+        ent_n = -(picked.exp() * picked).sum(-1).to(home)
         ent = torch.zeros(shape, dtype=picked.dtype).index_put((packed.dst_row, packed.dst_col),
                                                                ent_n)
     return logp, ent

@@ -23,6 +23,7 @@ from rollwise.config import TrainConfig
 from rollwise.train import correction as corr
 from rollwise.train.advantages import AdvantageInputs, compute_advantages, get_token_shaping
 from rollwise.train.packing import pack, packed_token_logprobs, worth_packing
+from rollwise.train.precision import MasterWeights
 from rollwise.train.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
                                    get_policy_loss, masked_mean)
 from rollwise.types import Batch, Group, Sample, Status
@@ -31,13 +32,15 @@ from rollwise.types import Batch, Group, Sample, Status
 def token_logprobs(model, batch: Batch, entropy_grad: bool = False):
     """log p(target) and entropy per position, (B, T-1) each, from one forward pass.
     The entropy carries a gradient only when entropy_grad (the entropy bonus needs it)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+    dev, home = model.device, batch.input_ids.device  # the model's device; the batch stays home
+    ids = batch.input_ids.to(dev)
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(dev),
                    use_cache=False).logits  # no KV cache: it only copies keys and values
     logp_all = logits[:, :-1].float().log_softmax(-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, ent
+    return logp.to(home), ent.to(home)
 
 
 @dataclass
@@ -75,7 +78,14 @@ class Trainer:
         self.shaping = get_token_shaping(cfg.token_shaping)
         self.kl_fn = get_kl(cfg.kl_estimator)
         self.loss_params = LossParams(cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+        if cfg.gradient_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ValueError("train.gradient_checkpointing: this model has no "
+                                 "gradient_checkpointing_enable(); use a Hugging Face model")
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.master = MasterWeights.of(model)  # fp32 copies when the parameters are bf16/fp16
+        self.optimizer = torch.optim.AdamW(self.params(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
         total = max(cfg.steps, 1)
         end = cfg.lr_end_factor
@@ -136,8 +146,40 @@ class Trainer:
             known[rows] |= here
         return out, known
 
+    def params(self) -> list[torch.Tensor]:
+        """What the optimizer steps: the fp32 master copies, or the model's parameters."""
+        return self.master.params() if self.master else list(self.model.parameters())
+
     def logprobs(self, model, batch: Batch, entropy_grad: bool = False):
-        """token_logprobs, through shared-prompt packing where it is on and saves tokens."""
+        """token_logprobs, through shared-prompt packing where it is on and saves tokens; a
+        pass without gradient over more than train.max_tokens_per_microbatch is cut in rows."""
+        chunks = self.token_chunks(batch, torch.arange(batch.size))
+        if len(chunks) > 1 and not torch.is_grad_enabled():
+            W = batch.input_ids.shape[1] - 1
+            logp, ent = torch.zeros(batch.size, W), torch.zeros(batch.size, W)
+            for rows in chunks:
+                lp, e = self._logprobs(model, batch.select(rows), entropy_grad)
+                logp[rows, :lp.shape[1]], ent[rows, :e.shape[1]] = lp, e
+            return logp, ent
+        return self._logprobs(model, batch, entropy_grad)
+
+    def token_chunks(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """rows in order, cut so each piece's padded size (rows x longest) fits
+        train.max_tokens_per_microbatch; a row longer than the budget goes alone."""
+        budget = self.cfg.max_tokens_per_microbatch
+        if budget is None or len(rows) == 0:
+            return [rows]
+        lengths = batch.attention_mask[rows].sum(-1).tolist()
+        out, start, longest = [], 0, 0
+        for i, n in enumerate(lengths):
+            if i > start and max(longest, n) * (i - start + 1) > budget:
+                out.append(rows[start:i])
+                start, longest = i, 0
+            longest = max(longest, n)
+        out.append(rows[start:])
+        return out
+
+    def _logprobs(self, model, batch: Batch, entropy_grad: bool = False):
         if self._pack and batch.prompt_lens is not None:
             packed = pack(batch, fill=True)
             if worth_packing(batch, packed):
@@ -185,7 +227,8 @@ class Trainer:
         cfg = self.cfg
         if first_mb is None or advantages is None:
             return None  # advantages None: they (hence the moving rows) need the old log-probs
-        if cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb):
+        if cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb) or \
+                cfg.max_tokens_per_microbatch:
             return None  # holding every micro-batch's graph would defeat micro-batching
         if not self._skips_zero_advantage():
             return first_mb
@@ -338,7 +381,7 @@ class Trainer:
         acc: dict[str, float] = {}
         total, counted = 0.0, 0.0
         moving = self._rows_with_gradient(prep, idx)
-        micros = moving.split(size)
+        micros = [c for m in moving.split(size) for c in self.token_chunks(prep.batch, m)]
         if first is not None:  # its pass was taken along with the old log-probs
             if not torch.isin(moving, first[0]).all():
                 raise RuntimeError("trainer: the kept first pass misses a moving row")
@@ -355,10 +398,13 @@ class Trainer:
             for k, v in m.items():  # token-weighted means; maxima and minima as such
                 acc[k] = _combine(k, acc.get(k), v if k.endswith(("_max", "_min")) else v * n)
         out = {k: (v if k.endswith(("_max", "_min")) else v / counted) for k, v in acc.items()}
-        for p in self.model.parameters():  # no row had a gradient: AdamW still steps on zeros
+        if self.master:
+            self.master.grads_to_master()
+        params = self.params()
+        for p in params:  # no row had a gradient: AdamW still steps on zeros
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         if not math.isfinite(float(grad_norm)):
             raise FloatingPointError("non-finite gradient norm; lower train.lr")
         scale = self._lr_scale(prep.seq_log_w[idx], mask)
@@ -366,6 +412,8 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] *= scale
         self.optimizer.step()
+        if self.master:
+            self.master.master_to_model()
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)

@@ -1,0 +1,102 @@
+"""The Python entry point: what `rollwise train` does, with Python objects where the CLI takes
+paths and names.
+
+    import rollwise
+    summary = rollwise.train(model="models/qwen", dataset=rows, reward=my_reward,
+                             train={"steps": 50}, task={"prompt_template": "{prompt} ..."})
+
+`config`: a YAML path, a Config, a dict of sections, or None (the defaults). Overrides are
+sections as dicts (`train={"lr": 1e-4}`) or dotted keys (`**{"train.lr": 1e-4}`). `model`: a
+model folder or a loaded Hugging Face causal LM (with `tokenizer`, or loadable from its
+name_or_path). `dataset` / `eval_dataset`: a list of dicts or a `datasets.Dataset` with
+prompt and answer columns (prompts: text or chat messages). `reward`: a verifier name, a
+function (rollwise's fn(response, problem) or TRL's fn(prompts, completions, **kw)), or a
+list of them, or {name or function: weight}.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from rollwise.config import Config, ConfigError, load_config, validate
+
+
+def train(config: str | Path | Config | dict | None = None, *, model: Any = None,
+          tokenizer: Any = None, dataset: Any = None, eval_dataset: Any = None,
+          reward: Any = None, resume: bool = False, **overrides: Any) -> dict:
+    """Run RL training and return the run summary (summary.json's contents)."""
+    from rollwise.loop.sync import Inputs
+    from rollwise.loop.sync import train as run_training
+    data = _config_data(config)
+    for key, value in overrides.items():
+        _merge(data, key.replace("__", ".").split("."), value)
+    inputs = Inputs()
+    if isinstance(model, (str, Path)):
+        data.setdefault("model", {})["path"] = str(model)
+    elif model is not None:
+        inputs.model, inputs.tokenizer = model, tokenizer or _tokenizer_of(model)
+    if dataset is not None:
+        data.setdefault("task", {})["name"] = "file"
+        inputs.rows, inputs.eval_rows = dataset, eval_dataset
+    if reward is not None:
+        data.setdefault("filter", {})["reward"] = _reward_spec(reward)
+    return run_training(validate(data), resume=resume, inputs=inputs)
+
+
+def _config_data(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, Config):
+        return config.model_dump()
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, Path)):
+        return load_config(config).model_dump()
+    raise ConfigError(f"config: give a YAML path, a Config or a dict, not a "
+                      f"{type(config).__name__}")
+
+
+def _merge(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(parts)}: '{p}' is not a section")
+    if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+        for k, v in value.items():
+            _merge(node[parts[-1]], [k], v)
+    else:
+        node[parts[-1]] = value
+
+
+def _tokenizer_of(model):
+    path = getattr(model, "name_or_path", "")
+    if path and (Path(path) / "tokenizer_config.json").exists():
+        from rollwise.models import load_tokenizer
+        return load_tokenizer(path)
+    raise ValueError("model: a loaded model needs its tokenizer; pass tokenizer=..., or give "
+                     "the model's folder instead")
+
+
+def _reward_spec(reward) -> str | dict[str, float]:
+    """filter.reward for `reward`: functions are registered as verifiers under their names."""
+    if isinstance(reward, str):
+        return reward
+    if isinstance(reward, dict):
+        return {_reward_name(k): float(w) for k, w in reward.items()}
+    if isinstance(reward, (list, tuple)):
+        return {_reward_name(r): 1.0 for r in reward}
+    return _reward_name(reward)
+
+
+def _reward_name(reward) -> str:
+    if isinstance(reward, str):
+        return reward
+    from rollwise import registry
+    from rollwise.stages.filter.python_fn import CallableVerifier, reward_name
+    CallableVerifier(reward)  # fails here, naming the problem, when it is not callable
+    name = reward_name(reward)
+    registry.register("verifier", name, lambda cfg, task: CallableVerifier(reward, name))
+    return name
