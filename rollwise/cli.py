@@ -50,7 +50,7 @@ def cmd_train(args) -> int:
 def cmd_sft(args) -> int:
     from rollwise import models
     from rollwise.tasks import load_task
-    from rollwise.train.sft import train_sft
+    from rollwise.training.sft import train_sft
     cfg = _load(args)
     task = load_task(cfg.task)
     model, tok = models.build(cfg.model, seed=cfg.run.seed)

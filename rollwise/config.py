@@ -103,6 +103,11 @@ class TaskConfig(Section):
     overrides it): auto tries <answer>...</answer>, \\boxed{}, "the answer is", then the last
     line. The built-in arith tiers keep their own extraction."""
 
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _on_off(cls, v):  # YAML reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     @field_validator("prompt_template")
     @classmethod
     def _check_template(cls, v):
@@ -276,7 +281,7 @@ class ReplayConfig(Section):
 
 class CorrectionConfig(Section):
     """Importance correction for tokens the current policy did not sample
-    (rollwise.train.correction): engine mismatch and staleness."""
+    (rollwise.training.correction): engine mismatch and staleness."""
     mode: Literal["none", "tis", "mis"] = "none"
     """'none': the anchor is taken as the behaviour policy; 'tis': loss weight
     min(anchor/behaviour, high); 'mis': drop tokens (or sequences) whose weight leaves
@@ -313,7 +318,7 @@ class CorrectionConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
     advantage: TrainAdvantageName = "grpo"
-    """Advantage estimator (rollwise.train.advantages): grpo, dr_grpo, rloo, reinforce_pp,
+    """Advantage estimator (rollwise.training.advantages): grpo, dr_grpo, rloo, reinforce_pp,
     reinforce_pp_baseline, mc_grpo, gdpo, or 'package.module:function'."""
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
@@ -322,7 +327,7 @@ class TrainConfig(Section):
     token_shaping: TrainTokenShapingName = "none"
     """Per-token advantage hook: a registered name or 'package.module:function'."""
     loss: TrainLossName = "ppo_clip"
-    """Policy loss (rollwise.train.losses): ppo_clip, dual_clip, gspo (wants clip_low/high near
+    """Policy loss (rollwise.training.losses): ppo_clip, dual_clip, gspo (wants clip_low/high near
     3e-4/4e-4), or 'package.module:function'."""
     loss_agg: TrainLossAggName = "seq-mean-token-mean"
     """GRPO: seq-mean-token-mean; DAPO: token-mean; Dr.GRPO: seq-mean-token-sum-norm."""

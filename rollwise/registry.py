@@ -19,20 +19,20 @@ from typing import Any
 
 BUILTIN: dict[str, dict[str, str]] = {
     # fn(AdvantageInputs) -> AdvantageOutput
-    "advantage": {n: "rollwise.train.advantages:" + f for n, f in (
+    "advantage": {n: "rollwise.training.advantages:" + f for n, f in (
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
         ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
-    "token_shaping": {"none": "rollwise.train.advantages:no_shaping"},
+    "token_shaping": {"none": "rollwise.training.advantages:no_shaping"},
     # fn(logprobs, old_logprobs, advantages, mask, LossParams) -> (per-token loss, metrics)
-    "policy_loss": {n: "rollwise.train.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo")},
+    "policy_loss": {n: "rollwise.training.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo")},
     # fn(token_loss, mask, num_tokens=, num_seqs=, norm_length=) -> scalar
-    "aggregation": {"token-mean": "rollwise.train.losses:token_mean",
-                    "seq-mean-token-mean": "rollwise.train.losses:seq_mean_token_mean",
-                    "seq-mean-token-sum-norm": "rollwise.train.losses:seq_mean_token_sum_norm"},
+    "aggregation": {"token-mean": "rollwise.training.losses:token_mean",
+                    "seq-mean-token-mean": "rollwise.training.losses:seq_mean_token_mean",
+                    "seq-mean-token-sum-norm": "rollwise.training.losses:seq_mean_token_sum_norm"},
     # fn(logprobs, ref_logprobs) -> per-token estimate
-    "kl": {n: "rollwise.train.losses:kl_" + n for n in ("k1", "k2", "k3")},
+    "kl": {n: "rollwise.training.losses:kl_" + n for n in ("k1", "k2", "k3")},
     # factory(name, filter_cfg, task) -> Verifier; a dotted path is a user reward function
     "verifier": {n: "rollwise.stages.filter.stage:build_" + m for n, m in (
         ("exact", "exact"), ("math", "math"), ("math_verify", "math"), ("gym", "gym"),

@@ -19,7 +19,7 @@ from rollwise.config import TrainConfig, load_config
 from rollwise.loop.sync import train
 from rollwise.store import checkpoint as ckpt
 from rollwise.store.killpoint import ENV
-from rollwise.train.trainer import Trainer
+from rollwise.training.trainer import Trainer
 from tests.test_crash_resume import SMALL
 from tests.train_helpers import make_groups
 

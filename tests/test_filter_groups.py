@@ -11,7 +11,7 @@ from rollwise.stages.filter.fmt import overlong_penalty
 from rollwise.stages.filter.groups import build_group_filter, keep, signal
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks import Problem
-from rollwise.train.trainer import Trainer
+from rollwise.training.trainer import Trainer
 from rollwise.types import Group, Sample, Status
 from train_helpers import make_groups, params_equal
 

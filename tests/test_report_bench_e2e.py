@@ -17,7 +17,7 @@ from rollwise.bench.e2e_trl import make_reward, rollwise_optimizer, trl_batch_ar
 from rollwise.config import ModelConfig, load_config
 from rollwise.stages.filter import build_filter
 from rollwise.tasks import load_task
-from rollwise.train.trainer import Trainer
+from rollwise.training.trainer import Trainer
 from rollwise.types import Sample
 
 

@@ -5,7 +5,7 @@ import torch
 
 from rollwise.config import TrainConfig
 from rollwise.engine import Engine, Request, SamplingParams
-from rollwise.train.trainer import Trainer, token_logprobs
+from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Group, Sample
 
 

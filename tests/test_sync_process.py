@@ -12,7 +12,7 @@ from rollwise.config import TrainConfig
 from rollwise.engine import Engine, Request, SamplingParams
 from rollwise.sync import (EngineProcess, EngineProcessError, StaleEngineError, WeightSync)
 from rollwise.sync.transport import InProcessTransport, ProcessTransport
-from rollwise.train.trainer import Trainer
+from rollwise.training.trainer import Trainer
 from sync_helpers import rl_groups
 
 

@@ -14,7 +14,7 @@ from rollwise.engine import Engine, Request, SamplingParams
 from rollwise.sync import WeightSync
 from rollwise.sync.payload import bits
 from rollwise.sync.transport import InProcessTransport
-from rollwise.train.trainer import Trainer
+from rollwise.training.trainer import Trainer
 from sync_helpers import rl_groups
 
 

@@ -17,7 +17,7 @@ from rollwise.sync.transport import InProcessTransport
 
 class LMTrainer:
     """Trainer stand-in: AdamW steps on a language-model loss, `weights()` and `version` as
-    rollwise.train.trainer.Trainer has them."""
+    rollwise.training.trainer.Trainer has them."""
 
     def __init__(self, model, lr=1e-3):
         self.model = copy.deepcopy(model)

@@ -104,7 +104,7 @@ def test_filler_tail_without_a_mean_is_a_clear_error():
 def _sft_answers(noise):
     """(tier, response written, clean solution) for each worked solution at this sft.noise."""
     from rollwise.models import char_tokenizer
-    from rollwise.train.sft import sft_examples
+    from rollwise.training.sft import sft_examples
     task = load_task(TaskConfig(tiers={"add2": 0.5, "sub2": 0.5}, train_size=400))
     tok = char_tokenizer()
     out = []

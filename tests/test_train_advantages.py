@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollwise import registry
-from rollwise.train.advantages import (AdvantageInputs, compute_advantages,
+from rollwise.training.advantages import (AdvantageInputs, compute_advantages,
                                        get_advantage, get_token_shaping)
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0,  # group 0: five samples

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rollwise.config import CorrectionConfig, TrainConfig
-from rollwise.train import correction as corr
-from rollwise.train.trainer import Trainer, token_logprobs
+from rollwise.training import correction as corr
+from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch
 from train_helpers import capture_grads, clone, make_groups, params_equal, set_on_policy
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollwise import registry
-from rollwise.train.losses import (LossParams, aggregate, get_policy_loss,
+from rollwise.training.losses import (LossParams, aggregate, get_policy_loss,
                                    kl_k1, kl_k2, kl_k3)
 
 torch.manual_seed(0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rollwise.config import TrainConfig
-from rollwise.train.packing import pack, packed_token_logprobs, worth_packing
-from rollwise.train.trainer import Trainer, token_logprobs
+from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
+from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Sample
 from train_helpers import capture_grads, clone, make_groups
 

@@ -9,7 +9,7 @@ import torch
 
 from rollwise.config import TrainConfig, load_config
 from rollwise import registry
-from rollwise.train.trainer import Trainer, token_logprobs
+from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch
 from train_helpers import capture_grads, clone, make_groups
 

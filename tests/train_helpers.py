@@ -8,8 +8,8 @@ import random
 import torch
 
 from rollwise.engine import Engine, Request, SamplingParams
-from rollwise.train.packing import pack, packed_token_logprobs, worth_packing
-from rollwise.train.trainer import Trainer, token_logprobs
+from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
+from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Group, Sample, Status
 
 PROMPTS = ["12+34=", "  7-5=", "101+9=", "55-12=", "3+4=", "90-9="]

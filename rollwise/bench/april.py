@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from rollwise import models
     from rollwise.tasks import load_task
-    from rollwise.train.sft import warm_start
+    from rollwise.training.sft import warm_start
     base = DEFAULTS + args.overrides
     cfg = load_config(None, base + [f"run.root={args.root}"])
     model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)

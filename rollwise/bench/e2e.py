@@ -61,7 +61,7 @@ def summarize(framework: str, seed: int, rows: list[dict], target: float) -> dic
 def warm_model(cfg: Config, log) -> Path:
     """Train (or reuse) the cached warm start; its folder is the shared initial model."""
     from rollwise.tasks import load_task
-    from rollwise.train.sft import cache_path, warm_start
+    from rollwise.training.sft import cache_path, warm_start
     warm_start(cfg, load_task(cfg.task), log=log)
     return cache_path(cfg)
 

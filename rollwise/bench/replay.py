@@ -50,7 +50,7 @@ def one_run(overrides: list[str], target: float) -> dict:
 def warm_start_dir(base: list[str], log) -> str:
     from rollwise.config import load_config
     from rollwise.tasks import load_task
-    from rollwise.train.sft import cache_path, warm_start
+    from rollwise.training.sft import cache_path, warm_start
     cfg = load_config(None, base + ["run.seed=0"])
     warm_start(cfg, load_task(cfg.task), log=log)
     return str(cache_path(cfg))

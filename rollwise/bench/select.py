@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         return 0
     from rollwise import models
     from rollwise.tasks import load_task
-    from rollwise.train.sft import warm_start
+    from rollwise.training.sft import warm_start
     base = DEFAULTS + args.overrides
     init = args.init
     if init is None:

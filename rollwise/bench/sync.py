@@ -104,7 +104,7 @@ def tiny_rows(args) -> list[dict]:
     from rollwise.config import ModelConfig, TaskConfig, TrainConfig
     from rollwise.sync import EngineProcess
     from rollwise.tasks import load_task
-    from rollwise.train.trainer import Trainer
+    from rollwise.training.trainer import Trainer
     if args.init:
         model0, tok = models.load_model(args.init)
     else:

@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
 
     from rollwise.loop.sync import train
     from rollwise.tasks import load_task
-    from rollwise.train.sft import cache_path, warm_start
+    from rollwise.training.sft import cache_path, warm_start
     base = load_config(None, [f"run.root={args.root}", "run.log=quiet"])
     task = load_task(base.task)
     init = args.init

@@ -41,8 +41,8 @@ from rollwise.store.rollouts import RolloutStore
 from rollwise.sync import build_sync
 from rollwise.tasks import load_task
 from rollwise.tasks.prompts import Prompter
-from rollwise.train.sft import warm_start
-from rollwise.train.trainer import Trainer
+from rollwise.training.sft import warm_start
+from rollwise.training.trainer import Trainer
 from rollwise.types import Group
 
 

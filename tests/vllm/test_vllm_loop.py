@@ -27,7 +27,7 @@ from rollwise.loop.sync import train
 from rollwise.report.progress import Progress
 from rollwise.store.rollouts import RolloutStore
 from rollwise.sync import build_sync
-from rollwise.train.trainer import Trainer
+from rollwise.training.trainer import Trainer
 
 pytestmark = pytest.mark.vllm
 STEPS = 20

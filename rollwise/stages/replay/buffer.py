@@ -14,7 +14,7 @@ with a learning signal (rewards that differ) enter. A group is never replayed on
 token is more than `max_staleness` policy versions behind the trainer: it is evicted instead.
 Replayed tokens keep the behaviour log-probabilities and policy versions they were sampled
 with, so the trainer's importance correction (train.correction.*, the decoupled clip of
-rollwise.train.correction) sees exactly how stale each token is.
+rollwise.training.correction) sees exactly how stale each token is.
 """
 
 from __future__ import annotations

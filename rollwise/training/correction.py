@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollwise.train.losses import masked_mean
+from rollwise.training.losses import masked_mean
 
 
 @dataclass

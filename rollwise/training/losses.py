@@ -4,7 +4,7 @@ each chosen by name in the config (`train.loss`, `train.loss_agg`, `train.kl_est
 Shapes: logprobs, old_logprobs, mask are (B, T); advantages is (B,) or (B, T).
 A policy loss returns (per-token loss (B, T), metrics); an aggregation turns the per-token loss
 into the scalar to differentiate. Only `logprobs` carries a gradient; everything else is data.
-The behaviour importance weights of rollwise.train.correction multiply the per-token loss
+The behaviour importance weights of rollwise.training.correction multiply the per-token loss
 (AReaL's decoupled objective) outside these functions, so every loss composes with them.
 """
 

@@ -4,7 +4,7 @@ minibatched policy-gradient steps (with gradient accumulation over micro-batches
 Log-probabilities are recomputed by the trainer: the proximal ("old") policy once at the start
 of the update, the current one per micro-batch, and, with `train.correction.snapshots`, the
 policy of the version that sampled each stale token. The engine's behaviour log-probabilities
-travel in the Batch; rollwise.train.correction turns them into loss weights and masks.
+travel in the Batch; rollwise.training.correction turns them into loss weights and masks.
 
 Every choice is a name in TrainConfig: advantage, token_shaping, loss, loss_agg, kl_estimator,
 correction.mode/level/anchor. Metrics come back under train/ (adv/, correction/, dropped_tokens/).
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from rollwise.config import TrainConfig
-from rollwise.train import correction as corr
-from rollwise.train.advantages import AdvantageInputs, compute_advantages, get_token_shaping
-from rollwise.train.packing import pack, packed_token_logprobs, worth_packing
-from rollwise.train.precision import MasterWeights
-from rollwise.train.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
+from rollwise.training import correction as corr
+from rollwise.training.advantages import AdvantageInputs, compute_advantages, get_token_shaping
+from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
+from rollwise.training.precision import MasterWeights
+from rollwise.training.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
                                    get_policy_loss, masked_mean)
 from rollwise.types import Batch, Group, Sample, Status
 
