@@ -58,7 +58,7 @@ def capture_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
 
     def record(optimizer, args, kwargs):
         seen.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                     for p in trainer.model.parameters()])
+                     for p in trainer.params()])
     trainer.optimizer.register_step_pre_hook(record)
     return seen
 

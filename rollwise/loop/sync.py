@@ -95,6 +95,7 @@ class Run:
         self.cfg, self.progress = cfg, progress
         inputs = inputs or Inputs()
         self.device = preflight(cfg, inputs)
+        self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)  # bad rows: before work
         seed_everything(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -104,7 +105,6 @@ class Run:
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(dump_config(cfg))
-        self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)
         model, self.tokenizer = initial_model(cfg, self.task, progress, inputs)
         model.to(self.device)
         self.trainer = Trainer(model, cfg.train, pad_id=self.tokenizer.pad_token_id,

@@ -43,6 +43,17 @@ def token_logprobs(model, batch: Batch, entropy_grad: bool = False):
     return logp.to(home), ent.to(home)
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing of a Hugging Face model (transformers >= 5 renamed it)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError("train.gradient_checkpointing: this model has no activation "
+                         "checkpointing switch; use a Hugging Face model or turn it off")
+
+
 @dataclass
 class Prepared:
     """Everything an update needs per token, computed once before the minibatch loop."""
@@ -79,11 +90,7 @@ class Trainer:
         self.kl_fn = get_kl(cfg.kl_estimator)
         self.loss_params = LossParams(cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
         if cfg.gradient_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ValueError("train.gradient_checkpointing: this model has no "
-                                 "gradient_checkpointing_enable(); use a Hugging Face model")
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         self.master = MasterWeights.of(model)  # fp32 copies when the parameters are bf16/fp16
         self.optimizer = torch.optim.AdamW(self.params(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)

@@ -1,0 +1,106 @@
+"""The Python entry point (rollwise.train) and the README's example, run as written."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import rollwise
+from rollwise import models
+from rollwise.config import ConfigError, ModelConfig
+from rollwise.stages.filter.base import Item
+from rollwise.stages.filter.python_fn import CallableVerifier
+from rollwise.tasks import Problem
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)[::-1], "tier": "ab"[a % 2]}
+        for a in range(10, 30) for b in range(10, 20)]
+QUICK = {"train": {"steps": 2}, "control": {"prompts_per_step": 4},
+         "generate": {"group_size": 2, "max_new_tokens": 4},
+         "filter": {"workers": 0}}
+
+
+def exact(response: str, problem) -> float:
+    return float(response.strip() == problem.answer)
+
+
+def trl_style(prompts, completions, answer, tier, **kwargs):
+    """TRL's reward_funcs signature: whole batches, dataset columns as keyword lists."""
+    return [float(c.strip() == a) + (0.5 if t == "a" else 0.0)
+            for c, a, t in zip(completions, answer, tier)]
+
+
+@pytest.fixture
+def small_model():
+    return models.build(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=64), seed=0)
+
+
+def test_train_takes_python_objects_and_returns_the_summary(tmp_path, small_model):
+    model, tok = small_model
+    summary = rollwise.train(model=model, tokenizer=tok, dataset=ROWS, reward=[exact, trl_style],
+                             run={"root": str(tmp_path), "log": "quiet", "report": False},
+                             **{"run.name": "objects"}, **QUICK)
+    assert summary["steps"] == 2 and summary["rollouts"] == 2 * 4 * 2
+    cfg = rollwise.load_config(Path(summary["run_dir"]) / "config.yaml")
+    assert cfg.filter.reward == {"exact": 1.0, "trl_style": 1.0} and cfg.task.name == "file"
+    assert cfg.run.name == "objects" and cfg.train.steps == 2
+
+
+def test_trl_style_rewards_get_the_dataset_columns():
+    v = CallableVerifier(trl_style)
+    assert v.batched and not v.isolated
+    p = [Problem(str(i), r["prompt"], r["answer"], data=r) for i, r in enumerate(ROWS[:3])]
+    verdicts = v.score([Item(r["answer"], q) for r, q in zip(ROWS[:3], p)])
+    assert [x.rewards["trl_style"] for x in verdicts] == [1.5, 1.5, 1.5]
+
+
+def test_per_sample_rewards_fail_alone_and_module_functions_run_isolated():
+    def flaky(response, problem):
+        if response == "boom":
+            raise RuntimeError("bad sample")
+        return 1.0
+    v = CallableVerifier(flaky)
+    assert not v.isolated  # a closure cannot reach a worker process: it runs here
+    out = v.score([Item("ok", Problem("a", "q", "1")), Item("boom", Problem("b", "q", "1"))])
+    assert out[0].rewards == {"flaky": 1.0} and out[1].failed == "error"
+    assert "bad sample" in out[1].info
+    assert CallableVerifier(exact).isolated  # an importable function goes to the workers
+
+
+def test_bad_api_input_is_named(tmp_path):
+    with pytest.raises(TypeError, match="not callable"):
+        rollwise.train(dataset=ROWS, reward=42, run={"root": str(tmp_path)})
+    with pytest.raises(ConfigError, match="train.stpes"):
+        rollwise.train(dataset=ROWS, **{"train.stpes": 3})
+    with pytest.raises(TypeError, match="list of dicts or a datasets.Dataset"):
+        rollwise.train(dataset="data.jsonl", run={"root": str(tmp_path), "log": "quiet"},
+                       model=models.build(ModelConfig(num_layers=1), 0)[0],
+                       tokenizer=models.char_tokenizer())
+
+
+def test_a_datasets_dataset_is_a_dataset(tmp_path, small_model):
+    datasets = pytest.importorskip("datasets")
+    model, tok = small_model
+    summary = rollwise.train(model=model, tokenizer=tok, reward=exact,
+                             dataset=datasets.Dataset.from_list(ROWS),
+                             run={"root": str(tmp_path), "log": "quiet", "report": False},
+                             **QUICK)
+    assert summary["rollouts"] == 2 * 4 * 2
+
+
+def readme_python_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Python\n.*?```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no '## Python' section with a python block"
+    return block.group(1)
+
+
+def test_the_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    code = readme_python_example()
+    assert len(code.strip().splitlines()) < 15
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    summary = next(tmp_path.glob("runs/*/summary.json"))
+    assert summary.exists()
+    assert "->" in capsys.readouterr().out

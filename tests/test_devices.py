@@ -1,0 +1,61 @@
+"""Device and memory settings that a CPU machine can check: the KV budget in bytes, vLLM's GPU
+options refused on CPU, and no CUDA-only code imported or initialised here."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollwise.config import ConfigError, load_config
+from rollwise.engine.backends import build_engine, kv_bytes_per_token, kv_budget_tokens
+
+
+def test_kv_budget_in_bytes_is_the_closed_form_in_tokens(tiny):
+    model, _ = tiny
+    c = model.config  # 2 layers, 1 KV head, head dim 16, float32
+    per = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size //
+                                                             c.num_attention_heads) * 4
+    assert kv_bytes_per_token(c, torch.float32) == per
+    assert kv_bytes_per_token(c, torch.bfloat16) == per // 2
+    cfg = load_config(None, [f"engine.kv_budget_bytes={per * 100 + 5}"])
+    assert kv_budget_tokens(cfg, model) == 100
+    engine = build_engine(cfg, model)
+    assert engine.scheduler.kv_budget_tokens == 100
+    with pytest.raises(ConfigError, match="give one of them"):
+        load_config(None, ["engine.kv_budget_bytes=1000", "engine.kv_budget_tokens=10"])
+    with pytest.raises(ValueError, match="holds no token"):
+        kv_budget_tokens(load_config(None, ["engine.kv_budget_bytes=8"]), model)
+
+
+def test_vllm_sleep_mode_on_cpu_is_refused_before_vllm_starts(tiny, tmp_path):
+    model, tok = tiny
+    cfg = load_config(None, ["engine.backend=vllm", "engine.sleep_level=1"])
+    with pytest.raises(ValueError, match="sleep_level = 1 needs vLLM on a CUDA GPU"):
+        build_engine(cfg, model, tok, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_nothing_cuda_only_is_imported_or_initialised_on_a_cpu_machine(tmp_path):
+    code = f"""
+import sys, torch
+import rollwise
+from rollwise.config import load_config
+from rollwise.loop.sync import Run
+from rollwise.report.progress import Progress
+cfg = load_config(None, ["run.root={tmp_path}", "model.path=" + {str(tmp_path / 'm')!r},
+                         "control.prompts_per_step=2", "generate.group_size=2",
+                         "filter.workers=0", "run.log=quiet"])
+from rollwise import models
+m, t = models.build(cfg.model.model_copy(update={{"path": None}}))
+models.save(m, t, {str(tmp_path / 'm')!r})
+run = Run(cfg, Progress("quiet", 1))
+run.step(1)
+bad = [n for n in ("vllm", "flash_attn", "triton", "apex", "deepspeed") if n in sys.modules]
+print("BAD", bad, "CUDA", torch.cuda.is_initialized(), "DEVICE", run.device)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == "BAD [] CUDA False DEVICE cpu", last
