@@ -206,7 +206,9 @@ class Trainer:
         sub = batch.select(rows)
         gap = float(((packed_logp[rows, :sub.loss_mask.shape[1]] - token_logprobs(model, sub)[0])
                      .abs() * sub.loss_mask).max())
-        if not gap <= 1e-3:
+        # float rounding only: a model that ignores the mask is off by O(1); bf16 rounds coarser
+        tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+        if not gap <= tol:
             warnings.warn(f"train.pack_prompts: packed and padded log-probabilities differ by "
                           f"{gap:.2g} with this model; training without packing", RuntimeWarning)
             self._pack = False

@@ -1,0 +1,285 @@
+"""GPU benchmark: generation and training on a Qwen2.5-0.5B-shaped model with random weights
+(built from a config, nothing downloaded), each beside the device's roofline.
+
+    rollwise bench gpu --json                       # on a CUDA machine
+    rollwise bench gpu --device cpu --preset tiny   # the same code on a CPU, small (a check)
+
+Generation: decode tokens/s of the built-in engine, HF `generate` and vLLM (when importable in
+this environment) at 64 and 256 concurrent sequences, every request forced to --new-tokens
+(no stop ids), against the bandwidth roofline: each decode step reads every weight once and
+each sequence's K/V, so tokens/s <= B * bandwidth / (weight bytes + B * KV bytes at the mean
+context). Training: rollwise's Trainer.update on synthetic groups at bf16 (fp32 master weights),
+activation checkpointing off and on: tokens/s, model FLOP utilisation (6N + attention FLOPs per
+trained token, 2N + attention per token of the old-log-prob pass, over the peak) and peak memory.
+Peaks: the vendor's dense bf16 FLOP/s and memory bandwidth for known devices, and both measured
+here (a large bf16 matmul, a device-to-device copy); MFU is against the vendor peak where known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+# dense bf16 FLOP/s and memory bytes/s by device name (vendor data sheets)
+PEAKS = {"H100 SXM": (989e12, 3.35e12), "H100 NVL": (835e12, 3.9e12),
+         "H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12),
+         "A100-SXM4-80GB": (312e12, 2.04e12), "A100": (312e12, 1.555e12),
+         "L40S": (362e12, 0.864e12), "L4": (121e12, 0.3e12), "RTX 4090": (165e12, 1.008e12)}
+
+
+def qwen_config(preset: str):
+    from transformers import Qwen2Config
+    if preset == "0.5b":  # Qwen2.5-0.5B's shape
+        return Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+                           num_attention_heads=14, num_key_value_heads=2,
+                           intermediate_size=4864, max_position_embeddings=4096,
+                           tie_word_embeddings=True)
+    return Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                       tie_word_embeddings=True)
+
+
+def build(preset: str, device: str, dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(qwen_config(preset)).to(device, dtype).eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in a matmul per token: every Linear, the LM head included."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def device_peaks(device: str) -> dict:
+    """Vendor peaks where the device is known, and both measured here."""
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    vendor = next((v for k, v in PEAKS.items() if k in name), (None, None))
+    n = 8192 if device.startswith("cuda") else 512
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device,
+                                                                      dtype=dtype)
+    flops = 2 * n ** 3 / _best(lambda: a @ b, device)
+    x = torch.empty(2 ** 28 if device.startswith("cuda") else 2 ** 24, device=device)
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), device)  # read + write
+    return {"device_name": name, "vendor_flops": vendor[0], "vendor_bandwidth": vendor[1],
+            "measured_flops": flops, "measured_bandwidth": bw,
+            "flops": vendor[0] or flops, "bandwidth": vendor[1] or bw}
+
+
+def _best(fn, device: str, repeats: int = 5) -> float:
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+# ----------------------------------------------------------------------------- generation
+
+def gen_inputs(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(3, vocab, (n, prompt_len), generator=g).tolist()
+
+
+def run_builtin(model, prompts, new_tokens: int) -> int:
+    from rollwise.engine import Engine, Request, SamplingParams
+    engine = Engine(model, max_batch=len(prompts), copy_model=False)
+    p = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_ids=())
+    return sum(len(c.token_ids) for c in engine.generate([Request(x, p, i)
+                                                           for i, x in enumerate(prompts)]))
+
+
+@torch.inference_mode()
+def run_hf(model, prompts, new_tokens: int) -> int:
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                         eos_token_id=None)
+    return (out.shape[1] - ids.shape[1]) * len(prompts)
+
+
+def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
+    """vLLM on a saved copy (None when vLLM is not importable here)."""
+    try:
+        from vllm import LLMEngine  # noqa: F401
+    except ImportError:
+        return None
+    from rollwise import models
+    from rollwise.engine import Request, SamplingParams
+    from rollwise.engine.vllm import VLLMEngine
+    models.save(model, models.char_tokenizer(), f"{tmp}/model")
+    extra = {"gpu_memory_utilization": 0.8} if torch.cuda.is_available() else {}
+    engine = VLLMEngine(f"{tmp}/model", max_batch=max_seqs, dtype="bfloat16",
+                        entropy_logprobs=1, max_model_len=max_len, **extra)
+
+    def run(prompts, new_tokens):
+        p = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_ids=())
+        return sum(len(c.token_ids) for c in engine.generate(
+            [Request(x, p, i) for i, x in enumerate(prompts)]))
+    return run
+
+
+def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens: int) -> float:
+    from rollwise.engine.backends import kv_bytes_per_token
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = kv_bytes_per_token(model.config, model.dtype) * (prompt_len + new_tokens / 2)
+    return batch * peaks["bandwidth"] / (weight_bytes + batch * kv)
+
+
+def bench_generation(args, model, peaks) -> list[dict]:
+    import tempfile
+    rows = []
+    vocab = model.config.vocab_size
+    with tempfile.TemporaryDirectory() as tmp:
+        vllm_run = vllm_runner(model, tmp, max(args.seqs), args.prompt_len + args.new_tokens)
+        for n in args.seqs:
+            prompts = gen_inputs(n, args.prompt_len, vocab)
+            fns = {"builtin": lambda: run_builtin(model, prompts, args.new_tokens),
+                   "hf": lambda: run_hf(model, prompts, args.new_tokens)}
+            if vllm_run is not None:
+                fns["vllm"] = lambda: vllm_run(prompts, args.new_tokens)
+            roof = decode_roofline(model, peaks, n, args.prompt_len, args.new_tokens)
+            for name, fn in fns.items():
+                rate = _median_rate(fn, args.device, args.repeats)
+                rows.append({"part": "generate", "backend": name, "sequences": n,
+                             "tokens_per_s": rate, "roofline_tokens_per_s": roof,
+                             "of_roofline": rate / roof})
+            if vllm_run is None:
+                rows.append({"part": "generate", "backend": "vllm", "sequences": n,
+                             "skipped": "vllm is not importable in this environment"})
+    return rows
+
+
+def _median_rate(fn, device: str, repeats: int) -> float:
+    fn()  # warm-up
+    rates = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        tokens = fn()
+        sync(device)
+        rates.append(tokens / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+# ------------------------------------------------------------------------------- training
+
+def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, response_len: int,
+                     vocab: int) -> list:
+    from rollwise.types import Group, Sample
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n_groups):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        samples = []
+        for j in range(group_size):
+            resp = torch.randint(3, vocab, (response_len,), generator=g).tolist()
+            samples.append(Sample(prompt_id=str(i), prompt_ids=prompt, response_ids=resp,
+                                  logprobs=[-5.0] * response_len, versions=[0] * response_len,
+                                  loss_mask=[1] * response_len, reward=float(j % 2)))
+        out.append(Group(str(i), samples))
+    return out
+
+
+def bench_training(args, peaks) -> list[dict]:
+    from rollwise.config import TrainConfig
+    from rollwise.training.trainer import Trainer
+    rows = []
+    for checkpointing in (False, True):
+        model = build(args.preset, args.device)
+        cfg = TrainConfig(minibatches=1, gradient_checkpointing=checkpointing,
+                          max_tokens_per_microbatch=args.microbatch_tokens, lr=1e-6)
+        trainer = Trainer(model, cfg, pad_id=0)
+        groups = synthetic_groups(args.train_groups, 8, args.prompt_len, args.response_len,
+                                  model.config.vocab_size)
+        trainer.update(groups)  # warm-up (allocator, kernels)
+        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.repeats):
+            sync(args.device)
+            t = time.perf_counter()
+            trainer.update(groups)
+            sync(args.device)
+            times.append(time.perf_counter() - t)
+        sec = statistics.median(times)
+        L, d = model.config.num_hidden_layers, model.config.hidden_size
+        T = args.prompt_len + args.response_len
+        per_token_fwd = 2 * matmul_params(model) + 2 * L * T * d  # causal attention: ~T/2 keys
+        # packing (train.pack_prompts) holds a group's prompt once in the passes
+        tokens = args.train_groups * (args.prompt_len + 8 * args.response_len)
+        flops = 4 * per_token_fwd * tokens  # old-log-prob pass (1x) + trained pass (3x)
+        peak_mem = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
+        rows.append({"part": "train", "gradient_checkpointing": checkpointing,
+                     "tokens_per_s": tokens / sec, "seconds_per_update": sec,
+                     "mfu": flops / sec / peaks["flops"], "peak_memory_gib":
+                     None if peak_mem is None else peak_mem / 2 ** 30})
+        del trainer, model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(result: dict) -> str:
+    lines = ["| part | setting | tokens/s | roofline or peak | share |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r.get("skipped"):
+            lines.append(f"| generate | {r['backend']} @ {r['sequences']} | not run: "
+                         f"{r['skipped']} | | |")
+        elif r["part"] == "generate":
+            lines.append(f"| generate | {r['backend']} @ {r['sequences']} seqs | "
+                         f"{r['tokens_per_s']:.0f} | {r['roofline_tokens_per_s']:.0f} tok/s | "
+                         f"{r['of_roofline']:.1%} of bandwidth roofline |")
+        else:
+            mem = "" if r["peak_memory_gib"] is None else f", peak {r['peak_memory_gib']:.1f} GiB"
+            lines.append(f"| train | bf16, checkpointing "
+                         f"{'on' if r['gradient_checkpointing'] else 'off'} | "
+                         f"{r['tokens_per_s']:.0f} | | MFU {r['mfu']:.1%}{mem} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollwise bench gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", choices=["0.5b", "tiny"], default="0.5b")
+    ap.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--train-groups", type=int, default=4, help="groups of 8 per update")
+    ap.add_argument("--microbatch-tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("rollwise bench gpu: no CUDA device here; run it on a GPU machine, or pass "
+              "--device cpu --preset tiny to check the code path", file=sys.stderr)
+        return 2
+    peaks = device_peaks(args.device)
+    model = build(args.preset, args.device)
+    rows = bench_generation(args, model, peaks)
+    del model
+    rows += bench_training(args, peaks)
+    result = {"benchmark": "gpu", "preset": args.preset, **peaks, "rows": rows}
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
