@@ -98,5 +98,7 @@ def _reward_name(reward) -> str:
     from rollwise.stages.filter.python_fn import CallableVerifier, reward_name
     CallableVerifier(reward)  # fails here, naming the problem, when it is not callable
     name = reward_name(reward)
+    if name in registry.BUILTIN["verifier"]:  # never shadow a built-in verifier
+        name += "_fn"
     registry.register("verifier", name, lambda cfg, task: CallableVerifier(reward, name))
     return name

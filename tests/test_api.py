@@ -43,7 +43,10 @@ def test_train_takes_python_objects_and_returns_the_summary(tmp_path, small_mode
                              **{"run.name": "objects"}, **QUICK)
     assert summary["steps"] == 2 and summary["rollouts"] == 2 * 4 * 2
     cfg = rollwise.load_config(Path(summary["run_dir"]) / "config.yaml")
-    assert cfg.filter.reward == {"exact": 1.0, "trl_style": 1.0} and cfg.task.name == "file"
+    # a function named like a built-in verifier gets its own name, never shadowing it
+    assert cfg.filter.reward == {"exact_fn": 1.0, "trl_style": 1.0} and cfg.task.name == "file"
+    from rollwise import registry
+    assert registry.resolve("verifier", "exact").__name__ == "build_exact"
     assert cfg.run.name == "objects" and cfg.train.steps == 2
 
 
