@@ -59,3 +59,32 @@ print("BAD", bad, "CUDA", torch.cuda.is_initialized(), "DEVICE", run.device)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last == "BAD [] CUDA False DEVICE cpu", last
+
+
+class FakeLLM:
+    """Records the calls VLLMEngine makes on vLLM's LLMEngine (sleep mode needs a GPU)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append((name, a[0] if a else k.get("level")))
+
+
+def test_a_sleeping_vllm_engine_wakes_its_weights_before_the_update(tmp_path):
+    from rollwise.engine.vllm import VLLMEngine
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: drive the logic on a recorder
+    engine.llm, engine.sleep_level, engine.sleeping = FakeLLM(), 1, False
+    engine._live, engine._tied, engine._mirror, engine.version = {}, False, {}, 0
+    engine.sleep()  # the trainer's turn
+    assert engine.sleeping and engine.llm.calls == [("reset_prefix_cache", None), ("sleep", 1)]
+    engine.weights_written(1)  # after the step: weights woken, written in place, then the KV
+    names = [c[0] for c in engine.llm.calls]
+    assert names == ["reset_prefix_cache", "sleep", "wake_up", "collective_rpc", "wake_up",
+                     "reset_prefix_cache"]
+    wakes = [c[1] for c in engine.llm.calls if c[0] == "wake_up"]
+    assert wakes == [["weights"], ["kv_cache"]]
+    assert not engine.sleeping and engine.version == 1
+    engine._live = {1: object()}
+    with pytest.raises(RuntimeError, match="still running"):
+        engine.sleep()  # never sleep under a running request
