@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from rollwise.bench.engine import measure  # warm-up, then backends timed in turn, medians
+
 # dense bf16 FLOP/s and memory bytes/s by device name (vendor data sheets)
 PEAKS = {"H100 SXM": (989e12, 3.35e12), "H100 NVL": (835e12, 3.9e12),
          "H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12),
@@ -154,8 +156,8 @@ def bench_generation(args, model, peaks) -> list[dict]:
             if vllm_run is not None:
                 fns["vllm"] = lambda: vllm_run(prompts, args.new_tokens)
             roof = decode_roofline(model, peaks, n, args.prompt_len, args.new_tokens)
-            for name, fn in fns.items():
-                rate = _median_rate(fn, args.device, args.repeats)
+            timed = {name: synced(fn, args.device) for name, fn in fns.items()}
+            for name, (rate, _) in measure(timed, args.repeats).items():
                 rows.append({"part": "generate", "backend": name, "sequences": n,
                              "tokens_per_s": rate, "roofline_tokens_per_s": roof,
                              "of_roofline": rate / roof})
@@ -165,16 +167,14 @@ def bench_generation(args, model, peaks) -> list[dict]:
     return rows
 
 
-def _median_rate(fn, device: str, repeats: int) -> float:
-    fn()  # warm-up
-    rates = []
-    for _ in range(repeats):
+def synced(fn, device: str):
+    """fn, finishing the device's queued work before and after, so a timer around it is true."""
+    def run():
         sync(device)
-        t = time.perf_counter()
-        tokens = fn()
+        out = fn()
         sync(device)
-        rates.append(tokens / (time.perf_counter() - t))
-    return statistics.median(rates)
+        return out
+    return run
 
 
 # ------------------------------------------------------------------------------- training

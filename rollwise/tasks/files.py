@@ -54,7 +54,7 @@ def _field(row: dict, path: str) -> Any:
     return node
 
 
-def _prompt_problem(prompt: Any, field: str) -> str | None:
+def _prompt_error(prompt: Any, field: str) -> str | None:
     """Why a prompt value is unusable, or None."""
     if isinstance(prompt, str):
         return None if prompt.strip() else f"field {field!r} is an empty string"
@@ -79,7 +79,7 @@ def parse_rows(rows: Iterable[tuple[int, Any]], where: str, prompt_field: str,
             errors.append(f"{where}:{line}: missing field(s) {missing} (set task.prompt_field / "
                           f"task.answer_field if your columns are named differently)")
             continue
-        why = _prompt_problem(prompt, prompt_field)
+        why = _prompt_error(prompt, prompt_field)
         if why:
             errors.append(f"{where}:{line}: {why}")
             continue

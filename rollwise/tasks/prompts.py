@@ -73,8 +73,8 @@ class Prompter:
         if why:
             raise ValueError(f"prompt: {why}")
         if self.cfg.prompt_template:
-            last = max(i for i, m in enumerate(msgs) if m["role"] == "user") \
-                if any(m["role"] == "user" for m in msgs) else len(msgs) - 1
+            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+            last = users[-1] if users else len(msgs) - 1
             msgs[last]["content"] = self.cfg.prompt_template.replace(
                 "{prompt}", msgs[last]["content"])
         if self.cfg.system_prompt and msgs[0]["role"] != "system":
@@ -91,10 +91,7 @@ class Prompter:
         return problem.prompt_ids
 
     def encode(self, prompt: str | list[dict]) -> list[int]:
-        if not self.chat:
-            if isinstance(prompt, str) and not (self.cfg.system_prompt or
-                                                self.cfg.prompt_template):
-                return list(self.tokenizer(prompt)["input_ids"])  # the plain built-in prompts
+        if not self.chat:  # a plain string prompt renders as itself (the built-in tiers')
             return list(self.tokenizer(self.render_text(prompt))["input_ids"])
         out = self.tokenizer.apply_chat_template(self.messages(prompt),
                                                  add_generation_prompt=True, tokenize=True)
@@ -107,10 +104,10 @@ class Prompter:
         return problems
 
     def text(self, problem) -> str:
-        """The prompt as the model saw it (special tokens included), for the rollout store."""
-        if isinstance(problem.prompt, str) and not self.chat and not (
-                self.cfg.system_prompt or self.cfg.prompt_template):
-            return problem.prompt
+        """The prompt as the model saw it, for the rollout store: the plain rendering, or the
+        chat template's text with its special tokens (decoded once per problem)."""
+        if not self.chat:
+            return self.render_text(problem.prompt)
         if problem.id not in self._texts:
             self._texts[problem.id] = self.tokenizer.decode(self.ids(problem),
                                                             skip_special_tokens=False)

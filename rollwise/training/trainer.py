@@ -160,8 +160,9 @@ class Trainer:
     def logprobs(self, model, batch: Batch, entropy_grad: bool = False):
         """token_logprobs, through shared-prompt packing where it is on and saves tokens; a
         pass without gradient over more than train.max_tokens_per_microbatch is cut in rows."""
-        chunks = self.token_chunks(batch, torch.arange(batch.size))
-        if len(chunks) > 1 and not torch.is_grad_enabled():
+        chunks = [] if torch.is_grad_enabled() else self.token_chunks(batch,
+                                                                      torch.arange(batch.size))
+        if len(chunks) > 1:
             W = batch.input_ids.shape[1] - 1
             logp, ent = torch.zeros(batch.size, W), torch.zeros(batch.size, W)
             for rows in chunks:
@@ -236,7 +237,7 @@ class Trainer:
         cfg = self.cfg
         if first_mb is None or advantages is None:
             return None  # advantages None: they (hence the moving rows) need the old log-probs
-        if cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb) or \
+        if (cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb)) or \
                 cfg.max_tokens_per_microbatch:
             return None  # holding every micro-batch's graph would defeat micro-batching
         if not self._skips_zero_advantage():
