@@ -7,6 +7,8 @@ fails before any work with a message that names the field, the value and what is
 
 from __future__ import annotations
 
+import re
+
 import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -30,6 +32,7 @@ EngineBackendName = Seam("engine", "engine.backend")
 GenerateStrategyName = Seam("generator", "generate.strategy")
 ControlSelectorName = Seam("selector", "control.selector")
 ControlInflightName = Seam("inflight", "control.inflight")
+ControlGroupSizeName = Seam("group_size", "control.group_size")
 ReplayStrategyName = Seam("replay", "replay.strategy")
 TrainAdvantageName = Seam("advantage", "train.advantage")
 TrainTokenShapingName = Seam("token_shaping", "train.token_shaping")
@@ -236,7 +239,10 @@ class ControlConfig(Section):
     inflight: ControlInflightName = "none"
     """In-flight control over any generator. none: every request runs to its end; april:
     partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
-    first next step); or 'package.module:factory' called as factory(cfg)."""
+    first next step); arrol (over-sample, prune at a checkpoint by a learned quality head to
+    correctness-balanced survivors); duet (a token budget allocated across prompts by their
+    informativeness, and a marker-gated abort); or 'package.module:factory' called as
+    factory(cfg)."""
     over_provision: float = Field(2.0, ge=1)
     """APRIL: groups in flight per group wanted."""
     dynamic_sampling: bool = False
@@ -249,6 +255,69 @@ class ControlConfig(Section):
     (missing), or a full prompts_per_step again as verl's DAPO recipe does with
     data.gen_batch_size = train_batch_size (full; the DPS paper's baseline, with
     max_rounds = 4). Mixed groups beyond the batch are dropped as batch_full."""
+
+    group_size: ControlGroupSizeName = "fixed"
+    """Samples per prompt (rollwise.stages.control.group_size): fixed (generate.group_size);
+    sgpo (a profiling pass gives each prompt's success rate p; G = 1/p clipped to
+    [group_min, group_max]; solved prompts dropped, unsolvable ones subsampled); dars (after
+    the first generate.group_size samples, hard prompts get extra ones on DARS's schedule);
+    or 'package.module:factory' called as factory(cfg)."""
+    group_min: int = Field(2, ge=1)
+    group_max: int = Field(16, ge=1)
+    """sgpo: the clip of G = 1/p (a group of one has no advantage under GRPO)."""
+    profile_samples: int = Field(8, ge=1)
+    """sgpo: samples per prompt in the profiling pass (k)."""
+    profile_prompts: int | None = Field(None, gt=0)
+    """sgpo: profile (and then train on) this many prompts drawn from the pool; None: all."""
+    unsolvable_keep: float = Field(0.1, ge=0, le=1)
+    """sgpo: share of the never-solved prompts (p = 0) kept in the pool."""
+    dars_schedule: Literal["et", "hw"] = "et"
+    """dars: equal-treatment (et) or hardness-weighted (hw) extra rollouts."""
+    dars_max: int | None = Field(None, ge=1)
+    """dars: most samples a group may reach; None: 4 x (et) or 8 x (hw) generate.group_size,
+    the paper's 32 and 64 at group_size 8."""
+    arrol_checkpoint: int = Field(8, ge=1)
+    """arrol: response tokens (T_p) after which the quality head scores a rollout."""
+    arrol_keep: float = Field(0.5, gt=0, le=1)
+    """arrol: share of the over-sampled rollouts that survive (kappa): a group of G is
+    sampled as ceil(G / kappa) and pruned back to G at the checkpoint."""
+    arrol_rho: float = Field(0.5, ge=0, le=1)
+    """arrol: target share of positives among the survivors (the top rho G by head score are
+    kept with the bottom (1 - rho) G)."""
+    arrol_explore: float = Field(0.1, ge=0, le=1)
+    """arrol: share of groups pruned at random instead of by the head, so the head also
+    learns from an unselected sample."""
+    arrol_lr: float = Field(0.01, gt=0)
+    """arrol: learning rate of the quality head (logistic regression, Adam)."""
+    duet_budget: float = Field(1.0, gt=0)
+    """duet: rollouts per step as a share of prompts_per_step x group_size."""
+    duet_horizon: int = Field(32, ge=1)
+    duet_grace: int = Field(8, ge=0)
+    """duet: a rollout with no answer marker after horizon + grace tokens is aborted (or
+    kept with probability duet_keep_prob and weighted by its inverse)."""
+    duet_keep_prob: float = Field(0.05, gt=0, le=1)
+    duet_after_marker: int = Field(8, ge=0)
+    """duet: tokens a rollout may run on after its answer marker appears."""
+    duet_marker: str | None = None
+    """duet: a regex whose match in the response so far is the answer marker (e.g.
+    '\\\\boxed\\{'); None: the task's answer extractor finding an answer is the marker."""
+
+    @field_validator("duet_marker")
+    @classmethod
+    def _check_marker(cls, v):
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression ({e}): {v!r}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _check_group_clip(self):
+        if self.group_min > self.group_max:
+            raise ValueError(f"control.group_min = {self.group_min} > control.group_max = "
+                             f"{self.group_max}: the clip of G = 1/p needs min <= max")
+        return self
 
     @model_validator(mode="after")
     def _check_refill(self):

@@ -46,7 +46,13 @@ BUILTIN: dict[str, dict[str, str]] = {
     "generator": {"group": "rollwise.stages.generate.group:GroupGenerator"},
     # factory(cfg) -> InflightController
     "inflight": {"none": "rollwise.stages.control.inflight:RunToEnd",
-                 "april": "rollwise.stages.control.april:April"},
+                 "april": "rollwise.stages.control.april:April",
+                 "arrol": "rollwise.stages.control.prune_arrol:Arrol",
+                 "duet": "rollwise.stages.control.abort_duet:Duet"},
+    # factory(cfg) -> GroupSizer
+    "group_size": {"fixed": "rollwise.stages.control.group_size:FixedSize",
+                   "sgpo": "rollwise.stages.control.alloc_sgpo:SGPO",
+                   "dars": "rollwise.stages.control.alloc_dars:DARS"},
     # factory(cfg) -> Replay
     "replay": {"none": "rollwise.stages.replay.buffer:NoReplay",
                "buffer": "rollwise.stages.replay.buffer:BufferReplay"},

@@ -46,6 +46,7 @@ class Sample:
     rewards: dict[str, float] = field(default_factory=dict)  # named reward channels
     reward: float = 0.0  # the scalar the optimizer uses
     reward_info: str = ""  # extracted answer, or why scoring failed
+    weight: float = 1.0  # the whole sample's weight in the loss (DUET's 1/q for a kept tail)
     # lineage
     uid: str = field(default_factory=new_uid)
     group_id: str = ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -157,6 +158,15 @@ def full_forward_logprobs(model, sample) -> torch.Tensor:
     return logp[p - 1:].gather(-1, ids[0, p:, None]).squeeze(-1)
 
 
+class DigitTask:
+    """The answer marker of a task: the first digit of the response."""
+
+    @staticmethod
+    def extract_answer(response):
+        m = re.search(r"\d", response)
+        return m.group(0) if m else None
+
+
 class Loop:
     """Control's part of a round: the in-flight controller and a prompt stream."""
 
@@ -176,6 +186,8 @@ def test_generator_and_controller_contract(tiny, generator, controller):
                                  "control": {"over_provision": 2.0}})
     gen = build("generator", generator, cfg, tok)
     loop = Loop(build("inflight", controller, cfg))
+    if hasattr(loop.inflight, "bind"):  # the context Control.bind gives in a run
+        loop.inflight.bind(policy=model, tokenizer=tok, task=DigitTask())
     # several stop ids so a random model's responses have very different lengths
     params = dataclasses.replace(sampling_params(cfg.generate, (tok.eos_token_id,)),
                                  stop_ids=tuple(range(1, 12)))

@@ -21,6 +21,7 @@ class StepResult:
     filter: dict[str, float] = field(default_factory=dict)  # summed over generation rounds
     train: dict[str, float] = field(default_factory=dict)
     sync: dict[str, float] = field(default_factory=dict)
+    control: dict[str, float] = field(default_factory=dict)  # the in-flight controller's
     seconds: dict[str, float] = field(default_factory=dict)  # gen, train, step
 
 
@@ -32,7 +33,7 @@ def step_metrics(r: StepResult) -> dict[str, float]:
     ledger["tokens/trained"] = ledger.get("tokens/trained", 0.0) + float(
         int(r.train.get("train/tokens", 0) - r.replay.get("replay/tokens", 0)))
     return {
-        **r.replay, **r.filter, "perf/gen_seconds": r.seconds["gen"], **r.train,
+        **r.replay, **r.filter, **r.control, "perf/gen_seconds": r.seconds["gen"], **r.train,
         "perf/train_seconds": r.seconds["train"], **r.sync, **ledger,
         "step": r.step, "reward/mean": sum(s.reward for s in samples) / len(samples),
         "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),

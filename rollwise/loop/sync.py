@@ -31,8 +31,9 @@ from rollwise.report.sinks import build_sinks
 from rollwise.stages.control.stage import Control
 from rollwise.stages.filter import eval_scorer
 from rollwise.stages.filter.groups import build_group_filter, keep
-from rollwise.stages.generate import build_generator, generate_round
-from rollwise.stages.generate.group import sampling_params
+from rollwise.stages.control.inflight import RunToEnd
+from rollwise.stages.generate import Rollout, build_generator, extend_groups, generate_round
+from rollwise.stages.generate.group import new_sample, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.stages.replay import build_replay
 from rollwise.store import checkpoint as ckpt
@@ -120,9 +121,13 @@ class Run:
         self.prompter = Prompter.for_task(cfg.task, self.tokenizer, self.task, model)
         self.params = sampling_params(cfg.generate, self.prompter.stop_ids)
         self.replay = build_replay(cfg)
+        self.ledger = Ledger()  # the current step's (sGPO's profiling pass counts into it)
+        self.control.bind(profile=self.profile, policy=self.trainer.model,
+                          tokenizer=self.tokenizer, task=self.task, prompter=self.prompter)
         self.eval_scorer = eval_scorer(cfg.filter, self.task)
         self.store = RolloutStore(self.dir / "rollouts", log=progress.log)  # repairs a crash
-        self.totals = {"rollouts": 0, "tokens_generated": 0, "tokens_trained": 0}
+        self.totals = {"rollouts": 0, "tokens_generated": 0, "tokens_trained": 0,
+                       "tokens_decoded": 0}  # decoded: profiled and pruned tokens too
         self.current_step = 0
         killpoint.instrument(self)  # crash tests only (ROLLWISE_KILL_AT)
 
@@ -135,8 +140,9 @@ class Run:
         """Generate -> Filter -> Control -> Replay, persist, train, sync: one pass."""
         assert self.engine.version == self.trainer.version, "engine holds stale weights"
         t0, ledger, version = time.time(), Ledger(), self.trainer.version
-        self.current_step, decoded0 = step, self.engine.tokens_generated
+        self.current_step, decoded0, self.ledger = step, self.engine.tokens_generated, ledger
         want = self.cfg.control.prompts_per_step
+        self.control.prepare(step)  # sGPO's profiling pass, once
         replayed = self.replay.take(want, version, self.rng)                   # Replay
         r = StepResult(step, [], [], ledger, version, 0,
                        replay=self.replay.metrics(replayed, want, version))
@@ -147,6 +153,7 @@ class Run:
                                     self.params, n, step, ledger, self.prompter)
             self.progress.phase("score")
             _add(r.filter, self.filter.score(groups))                          # Filter
+            self.extend(groups, r, ledger)  # DARS: more samples for hard prompts
             r.scored += groups
             for g in groups:
                 (kept if keep(self.filter, g, ledger) else dropped).append(g)
@@ -164,16 +171,48 @@ class Run:
         self.progress.phase("sync")
         r.sync = self.sync.push()                                              # sync
         self.control.observe(r.scored, step)  # Control and Replay learn from every scored group
+        r.control = self.control.metrics()
         self.replay.put(r.scored)
         self.count(r)
         r.seconds["step"] = time.time() - t0
         return r
+
+    def extend(self, groups: list[Group], r: StepResult, ledger: Ledger) -> None:
+        """The sizer's extra samples for scored groups (DARS), generated, scored and merged
+        into their groups before the keep decision and the advantages."""
+        extra = self.control.extra(groups)
+        if not any(extra):
+            return
+        self.progress.phase("generate")
+        added = extend_groups(self.engine, groups, extra, self.params, ledger)
+        ledger.decide("control", "extend", self.cfg.control.group_size, sum(extra))
+        self.progress.phase("score")
+        _add(r.filter, self.filter.score(added))
+
+    def profile(self, problems: list, k: int) -> dict[str, tuple[int, int]]:
+        """k samples of each prompt under the current policy, scored (sGPO's profiling pass):
+        prompt id -> (successes, k). Its tokens count as tokens/profile in this step."""
+        ledger = self.ledger
+        self.progress.log(f"profiling {len(problems)} prompts x {k} samples "
+                          f"(control.group_size = {self.cfg.control.group_size})")
+        groups = [Group(p.id, [new_sample(p, p.prompt_ids, self.current_step)
+                               for _ in range(k)], p)
+                  for p in self.prompter.render(problems)]
+        rollout = Rollout(self.engine, RunToEnd(), ledger, self.params)
+        for g in groups:
+            rollout.add(g)
+        rollout.run()
+        self.filter.score(groups)
+        ledger.tokens_to("profile", sum(s.num_tokens for g in groups for s in g.samples))
+        ledger.decide("control", "profile", self.cfg.control.group_size, len(groups))
+        return {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples)) for g in groups}
 
     def count(self, r: StepResult) -> None:
         samples = [s for g in r.scored for s in g.samples]
         self.totals["rollouts"] += len(samples)
         self.totals["tokens_generated"] += sum(s.num_tokens for s in samples)
         self.totals["tokens_trained"] += int(r.train.get("train/tokens", 0))
+        self.totals["tokens_decoded"] = self.totals.get("tokens_decoded", 0) + r.decoded
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -46,9 +46,10 @@ SCHEMA = pa.schema([
     ("versions", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
     ("entropies", pa.list_(pa.float64())), ("rewards", pa.string()), ("reward", pa.float64()),
     ("reward_info", pa.string()), ("prompt_text", pa.string()), ("response_text", pa.string()),
-    ("meta", pa.string()), ("timings", pa.string()),
+    ("meta", pa.string()), ("timings", pa.string()), ("weight", pa.float64()),
 ])
 """rewards, meta and timings are JSON objects (reward channels, task data, seconds)."""
+OPTIONAL = {"timings", "weight"}  # columns that files of older versions lack
 
 FILE = re.compile(r"step-(\d{6,})(?:-(\d{2,}))?\.(parquet|jsonl)$")
 
@@ -62,7 +63,8 @@ def sample_row(s: Sample, prompt_text: str = "", response_text: str = "",
 
 def row_sample(row: dict) -> Sample:
     return Sample.from_dict({**row, "rewards": json.loads(row["rewards"]),
-                             "meta": json.loads(row["meta"])})
+                             "meta": json.loads(row["meta"]),
+                             "weight": 1.0 if row.get("weight") is None else row["weight"]})
 
 
 def step_of(path: Path) -> int:
@@ -106,12 +108,12 @@ def check_file(path: Path, full: bool = True) -> str | None:
             pq.read_table(path, page_checksum_verification=True)
     except Exception as e:  # pyarrow raises several types for damaged files
         return f"{type(e).__name__}: {e}"
-    missing = set(SCHEMA.names) - set(meta.schema.to_arrow_schema().names) - {"timings"}
+    missing = set(SCHEMA.names) - set(meta.schema.to_arrow_schema().names) - OPTIONAL
     return f"missing columns {sorted(missing)}" if missing else None
 
 
 def read_file(path: Path) -> pa.Table:
-    """One file, conformed to SCHEMA (files from older versions lack 'timings')."""
+    """One file, conformed to SCHEMA (files from older versions lack the OPTIONAL columns)."""
     t = pq.read_table(path)
     for name in SCHEMA.names:
         if name not in t.column_names:

@@ -22,6 +22,7 @@ class Problem:
     solution: str | None = None  # worked response for the supervised warm start
     data: dict[str, Any] = field(default_factory=dict)  # source row, for custom verifiers
     prompt_ids: list[int] | None = None  # made once by rollwise.tasks.prompts.Prompter
+    group_size: int | None = None  # samples Control wants for it this round; None: the default
 
 
 class Task(Protocol):

@@ -301,6 +301,10 @@ class Trainer:
             kept = [s.status != Status.TRUNCATED for s in samples]
             mask = self._drop(mask, torch.tensor(kept).float()[:, None], "overlong", m)
         anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
+        sample_w = torch.tensor([s.weight for s in samples], dtype=weights.dtype)
+        if (sample_w != 1).any():  # a sample kept with probability q counts 1/q times (DUET)
+            weights = weights * sample_w[:, None]
+            m["sample_weight_max"] = float(sample_w.max())
         token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)

@@ -5,16 +5,20 @@ sampling), and what happens to requests in flight (an InflightController: APRIL,
     control = Control(cfg, task)
     for n in control.rounds(want, kept):          # one round, or refills until `want` are kept
         problems = control.select(k, step, ledger)
+        problems = control.sized(problems, step, ledger)  # samples per prompt: Problem.group_size
+        ... score; extra = control.extra(groups)  # more samples for some groups (DARS)
     kept = control.trim(kept, want, ledger)
     control.observe(scored, step)                 # selectors and curricula learn from outcomes
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 
 from rollwise.stages.control.base import build_selector
+from rollwise.stages.control.group_size import Profile, build_group_sizer
 from rollwise.stages.control.inflight import build_inflight
 from rollwise.stages.ledger import Ledger
 from rollwise.stages.replay.curriculum import build_curriculum
@@ -56,6 +60,15 @@ class Control:
         self.curriculum = build_curriculum(cfg.replay)
         self.inflight = build_inflight(cfg)
         self.refill = Refill(cfg)
+        self.sizer = build_group_sizer(cfg)
+        self.profile: Profile | None = None  # set by the loop: samples prompts, scores them
+
+    def bind(self, **context) -> None:
+        """What a part may need beyond the config (profile, policy, tokenizer, task): the
+        loop passes it here; the in-flight controller takes its share through its own bind."""
+        self.profile = context.get("profile", self.profile)
+        if hasattr(self.inflight, "bind"):
+            self.inflight.bind(**context)
 
     def rounds(self, want: int, kept: list[Group]) -> Iterator[int]:
         return self.refill.rounds(want, kept)
@@ -69,17 +82,56 @@ class Control:
         ledger.decide("control", "select", self.cfg.control.selector, n)
         pool = self.task.train if self.curriculum is None \
             else self.curriculum.pool(self.task.train, step)
+        pool = self.sizer.pool(pool, self._profile)
         return self.selector.select(pool, n, self.rng)
+
+    def prepare(self, step: int) -> None:
+        """Before a step's generation: the sizer's pool is made now (sGPO's profiling pass
+        runs the engine, so it must not start inside a round)."""
+        pool = self.task.train if self.curriculum is None \
+            else self.curriculum.pool(self.task.train, step)
+        self.sizer.pool(pool, self._profile)
+
+    def metrics(self) -> dict[str, float]:
+        """The in-flight controller's own numbers for this step (ARRoL's head AUC)."""
+        return self.inflight.metrics() if hasattr(self.inflight, "metrics") else {}
+
+    def _profile(self, problems: list[Problem], k: int) -> dict[str, tuple[int, int]]:
+        if self.profile is None:
+            raise RuntimeError(f"control.group_size = {self.cfg.control.group_size} profiles "
+                               "prompts, but nothing bound a profiler (Control.bind(profile=))")
+        return self.profile(problems, k)
+
+    def sized(self, problems: list[Problem], step: int, ledger: Ledger) -> list[Problem]:
+        """Each problem (its ids made) as a copy carrying its group size: the sizer's, then
+        the in-flight controller's allocation (ARRoL over-samples, DUET spreads a budget).
+        A prompt given 0 samples is skipped, and counted."""
+        sizes = self.sizer.sizes(problems, step)
+        if hasattr(self.inflight, "allocate"):
+            sizes = self.inflight.allocate(problems, sizes)
+        out = []
+        for p, n in zip(problems, sizes):
+            if n <= 0:
+                ledger.decide("control", "skip", "no_samples_allocated")
+            else:
+                out.append(dataclasses.replace(p, group_size=int(n)))
+        return out
+
+    def extra(self, groups: list[Group]) -> list[int]:
+        """Samples to add to each scored group before it is trained on (DARS)."""
+        return self.sizer.extra(groups)
 
     def observe(self, scored: list[Group], step: int) -> None:
         """Every scored group, kept or not: (successes, trials) per prompt."""
         outcomes = {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples))
                     for g in scored}
         self.selector.observe(outcomes, step)
+        if hasattr(self.inflight, "observe"):  # a learned controller (ARRoL's quality head)
+            self.inflight.observe(scored, step)
         if self.curriculum is not None:
             self.curriculum.observe(outcomes, step)
 
     def parts(self) -> dict:
         """The stateful parts, for checkpoints."""
         return {"selector": self.selector, "inflight": self.inflight,
-                "curriculum": self.curriculum}
+                "curriculum": self.curriculum, "group_size": self.sizer}

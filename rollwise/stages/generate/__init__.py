@@ -1,7 +1,7 @@
 """Generate stage: which trajectories are proposed, and their shape.
 
-A `Generator` turns the prompts Control selected (each Problem's `prompt_ids` made) into groups
-of samples, through the rollout
+A `Generator` turns the prompts Control selected (each Problem's `prompt_ids` made, and
+`group_size` set when Control sizes groups per prompt) into groups of samples, through the rollout
 driver (rollout.py), which feeds engine events into samples and applies the in-flight
 controller's decisions. `generate.strategy` picks one by name (rollwise.registry): group
 (i.i.d. samples, group.py), or 'package.module:factory' called as factory(cfg, tokenizer).
@@ -36,7 +36,10 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
     rollout = Rollout(engine, control.inflight, ledger, params)
     for g in carried:
         rollout.add(g)
-    generator.generate(rollout, prompter.render(control.select(fresh, step, ledger)), step)
+    problems = prompter.render(control.select(fresh, step, ledger))
+    if hasattr(control, "sized"):  # per-prompt group sizes (a bare test double may lack it)
+        problems = control.sized(problems, step, ledger)
+    generator.generate(rollout, problems, step)
     rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
     groups = control.inflight.end(rollout, n)
     unfinished = [s.uid for g in groups for s in g.samples if not s.finished]
@@ -47,4 +50,27 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
     return groups
 
 
-__all__ = ["Generator", "Rollout", "build_generator", "generate_round"]
+def extend_groups(engine, groups: list, counts: list[int], params, ledger) -> list:
+    """`counts[i]` more i.i.d. samples for groups[i] (DARS's second stage), run to their end
+    with no in-flight control; returns, per group that grew, a Group of its new samples only
+    (for scoring) after appending them to the group itself."""
+    from rollwise.stages.control.inflight import RunToEnd
+    from rollwise.stages.generate.group import new_sample
+    from rollwise.types import Group
+    rollout, added = Rollout(engine, RunToEnd(), ledger, params), []
+    for g, k in zip(groups, counts):
+        if k > 0:
+            step = g.samples[0].step if g.samples else -1
+            fresh = [new_sample(g.problem, g.samples[0].prompt_ids, step) for _ in range(k)]
+            for s in fresh:
+                s.group_id = g.samples[0].group_id
+            added.append(Group(g.prompt_id, fresh, g.problem))
+    for part in added:
+        rollout.add(part)
+    rollout.run()
+    for g, part in zip([g for g, k in zip(groups, counts) if k > 0], added):
+        g.samples += part.samples
+    return added
+
+
+__all__ = ["Generator", "Rollout", "build_generator", "extend_groups", "generate_round"]

@@ -1,4 +1,5 @@
-"""i.i.d. groups: G independent samples per prompt (the GRPO default, generate.strategy=group)."""
+"""i.i.d. groups: G independent samples per prompt (the GRPO default, generate.strategy=group);
+G is the prompt's own size when Control set one (Problem.group_size), else generate.group_size."""
 
 from __future__ import annotations
 
@@ -28,5 +29,5 @@ class GroupGenerator:
     def generate(self, rollout: Rollout, problems: list[Problem], step: int) -> None:
         for p in problems:  # prompt_ids: rendered once by the Prompter (rollwise.tasks.prompts)
             rollout.add(Group(p.id, [new_sample(p, p.prompt_ids, step)
-                                     for _ in range(self.group_size)], p))
+                                     for _ in range(p.group_size or self.group_size)], p))
         rollout.run()

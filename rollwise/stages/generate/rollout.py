@@ -61,6 +61,13 @@ class Rollout:
                 self._apply(seq_id, dataclasses.replace(self._stop, everyone=False), count=False)
             self.ledger.decide("control", self._stop.action, self._stop.reason, len(live))
 
+    def decide_for(self, sample: Sample, decision: Decision) -> None:
+        """Apply a decision to another live sample of the round (a controller that decides for
+        a whole group at once: ARRoL's pruning); a sample no longer live is left alone."""
+        seq_id = next((k for k, (_, s, _) in self._owner.items() if s is sample), None)
+        if seq_id is not None and decision.action != "continue":
+            self._apply(seq_id, decision)
+
     # ---- the driver --------------------------------------------------------------------------
     def _submit(self, group: Group, s: Sample) -> None:
         params = self.params

@@ -1,0 +1,154 @@
+"""Rollout budgets at equal compute: GRPO with a fixed group size against ARRoL, DUET at 100 %
+and 50 % of the budget, sGPO and DARS.
+
+    rollwise bench budget [--seeds 0 1 2] [--tokens N] [--target P] [--json] [key=value ...]
+
+Every method starts from the same warm-start model and trains until it has decoded its share
+of one budget of generated tokens (--tokens; DUET-50 gets half): the tokens the engine decoded,
+so sGPO's profiling pass, ARRoL's pruned prefixes and DUET's aborted tails all count. Held-out
+greedy pass@1 is measured every --eval-every steps and at the end (evaluation time is not
+counted). Reported per method and seed: decoded tokens and seconds (generation + training) to
+the held-out target, the final pass@1, and for ARRoL the quality head's AUC over training.
+The task is APRIL's long-tail one (the stepped task of issue 22 has not landed): most
+answers come after a short filler, a tenth after a long one.
+
+Top-level JSON keys: arrol_speedup (GRPO's median tokens to target / ARRoL's), duet50_pass1_delta
+(DUET-50's final pass@1 minus GRPO's, mean over seeds), sgpo_compute_ratio (sGPO's median tokens
+to target / GRPO's). A method that never reaches the target counts its whole budget there, and
+the JSON says so (reached: false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from rollwise.config import load_config
+
+DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean=60",
+            "generate.max_new_tokens=192", "sft.steps=300", "control.prompts_per_step=8",
+            "task.eval_size=200", "train.lr_end_factor=1.0", "run.log=quiet",
+            "run.report=false", "run.eval_every=100000"]
+METHODS = {
+    "grpo": [],
+    "arrol": ["control.inflight=arrol"],
+    "duet100": ["control.inflight=duet", "control.duet_budget=1.0"],
+    "duet50": ["control.inflight=duet", "control.duet_budget=0.5"],
+    "sgpo": ["control.group_size=sgpo", "control.profile_prompts=256"],
+    "dars": ["control.group_size=dars"],
+}
+BUDGET_SHARE = {"duet50": 0.5}
+
+
+def run_method(base: list[str], method: str, seed: int, tokens: int, eval_every: int,
+               target: float, root: str, init: str) -> dict:
+    from rollwise.loop.metrics import step_metrics
+    from rollwise.loop.sync import Run
+    from rollwise.report.progress import Progress
+    cfg = load_config(None, base + METHODS[method] + [
+        f"run.seed={seed}", f"run.root={root}", f"run.name={method}-{seed}",
+        f"run.init={init}", "train.steps=100000"])
+    run = Run(cfg, Progress("quiet"))
+    budget = tokens * BUDGET_SHARE.get(method, 1.0)
+    curve = [{"step": 0, "tokens": 0, "seconds": 0.0,
+              "pass1": run.evaluate()["eval/pass1"]}]
+    used, seconds, step, aucs = 0, 0.0, 0, []
+    while used < budget:
+        step += 1
+        t0 = time.time()
+        m = step_metrics(run.step(step))
+        seconds += time.time() - t0
+        used += m["tokens/decoded"]
+        if "arrol/head_auc" in m:
+            aucs.append({"step": step, "auc": m["arrol/head_auc"]})
+        if step % eval_every == 0 or used >= budget:
+            curve.append({"step": step, "tokens": used, "seconds": seconds,
+                          "pass1": run.evaluate()["eval/pass1"]})
+    hit = next((c for c in curve if c["pass1"] >= target), None)
+    return {"method": method, "seed": seed, "steps": step, "tokens": used,
+            "seconds": seconds, "final_pass1": curve[-1]["pass1"],
+            "start_pass1": curve[0]["pass1"], "reached": hit is not None,
+            "tokens_to_target": hit["tokens"] if hit else used,
+            "seconds_to_target": hit["seconds"] if hit else seconds,
+            "curve": curve, "head_auc": aucs}
+
+
+def summarize(runs: list[dict], seeds: list[int]) -> dict:
+    by = {m: [r for r in runs if r["method"] == m] for m in METHODS}
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in
+               ("tokens_to_target", "seconds_to_target", "final_pass1", "tokens")}
+           for m, rs in by.items() if rs}
+    final = {m: {r["seed"]: r["final_pass1"] for r in rs} for m, rs in by.items()}
+
+    def delta(a, b):
+        pairs = [final[a][s] - final[b][s] for s in seeds if s in final[a] and s in final[b]]
+        return statistics.mean(pairs) if pairs else None
+    grpo = med.get("grpo", {})
+    out = {"medians": med}
+    if "arrol" in med and grpo:
+        out["arrol_speedup"] = grpo["tokens_to_target"] / med["arrol"]["tokens_to_target"]
+        out["arrol_pass1_delta"] = delta("arrol", "grpo")
+    if "duet50" in med and grpo:
+        out["duet50_pass1_delta"] = delta("duet50", "grpo")
+    if "duet100" in med and grpo:
+        out["duet100_pass1_delta"] = delta("duet100", "grpo")
+    if "sgpo" in med and grpo:
+        out["sgpo_compute_ratio"] = med["sgpo"]["tokens_to_target"] / grpo["tokens_to_target"]
+    if "dars" in med and grpo:
+        out["dars_compute_ratio"] = med["dars"]["tokens_to_target"] / grpo["tokens_to_target"]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rollwise bench budget", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--tokens", type=int, default=400_000,
+                   help="generated-token budget of each run (DUET-50: half)")
+    p.add_argument("--target", type=float, default=0.6, help="held-out pass@1 target")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--root", default="runs/bench-budget")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    from rollwise import models
+    from rollwise.tasks import load_task
+    from rollwise.training.sft import warm_start
+    base = DEFAULTS + args.overrides
+    cfg = load_config(None, base + [f"run.root={args.root}"])
+    model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
+    init = f"{args.root}/warm-start"
+    models.save(model, tok, init)
+    runs = []
+    for seed in args.seeds:
+        for method in args.methods:
+            runs.append(run_method(base, method, seed, args.tokens, args.eval_every,
+                                   args.target, args.root, init))
+            r = runs[-1]
+            print(f"{method} seed {seed}: {r['steps']} steps, {r['tokens']:.0f} tokens, "
+                  f"pass@1 {r['start_pass1']:.3f} -> {r['final_pass1']:.3f}, to target: "
+                  f"{r['tokens_to_target']:.0f} tokens{'' if r['reached'] else ' (not reached)'}",
+                  file=sys.stderr, flush=True)
+    out = {"tokens": args.tokens, "target": args.target, "seeds": args.seeds,
+           **summarize(runs, args.seeds), "runs": runs}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print("| method | tokens to target | s to target | final pass@1 | reached (seeds) |")
+    print("|---|---|---|---|---|")
+    for m, v in out["medians"].items():
+        reached = sum(r["reached"] for r in runs if r["method"] == m)
+        print(f"| {m} | {v['tokens_to_target']:.0f} | {v['seconds_to_target']:.0f} | "
+              f"{v['final_pass1']:.3f} | {reached}/{len(args.seeds)} |")
+    for k in ("arrol_speedup", "duet50_pass1_delta", "sgpo_compute_ratio"):
+        if out.get(k) is not None:
+            print(f"{k}: {out[k]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
