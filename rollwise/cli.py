@@ -64,7 +64,7 @@ def cmd_sft(args) -> int:
 def cmd_eval(args) -> int:
     from rollwise import models
     from rollwise.engine import Engine
-    from rollwise.evaluate import evaluate
+    from rollwise.evaluate import evaluate, vote
     from rollwise.stages.filter import eval_scorer
     from rollwise.tasks import load_task
     from rollwise.tasks.prompts import Prompter
@@ -77,11 +77,32 @@ def cmd_eval(args) -> int:
     task = load_task(cfg.task)
     scorer = eval_scorer(cfg.filter, task)
     prompter = Prompter.for_task(cfg.task, tok, task, model)
-    metrics = evaluate(Engine(model, copy_model=False), prompter,
-                       task.eval, scorer, cfg.generate.max_new_tokens, cfg.run.eval_samples,
-                       cfg.run.eval_temperature)
+    engine = Engine(model, copy_model=False)
+    if args.vote is None:
+        metrics = evaluate(engine, prompter, task.eval, scorer, cfg.generate.max_new_tokens,
+                           cfg.run.eval_samples, cfg.run.eval_temperature)
+    else:
+        metrics = vote(engine, prompter, task.eval, scorer, task.extract_answer,
+                       cfg.generate.max_new_tokens, cfg.run.eval_samples,
+                       cfg.run.eval_temperature,
+                       None if args.vote == "majority" else quality_head(cfg, model_dir, model))
     print(json.dumps(metrics, indent=2))
     return 0
+
+
+def quality_head(cfg, model_dir: Path, model):
+    """ARRoL's quality head from the newest checkpoint of the run that holds model_dir, as a
+    weigh function for `vote`."""
+    from rollwise.stages.control.prune_arrol import Arrol
+    from rollwise.store import checkpoint as ckpt
+    found = ckpt.latest(model_dir.parent, lambda m: None)
+    state = found.load() if found is not None else {}
+    if "head" not in state.get("inflight", {}):
+        raise ConfigError(f"--vote q needs ARRoL's quality head, saved in the checkpoints of a "
+                          f"run with control.inflight = arrol; {model_dir.parent} has none")
+    arrol = Arrol(cfg)
+    arrol.load_state_dict(state["inflight"])
+    return lambda draws: arrol.q_weights(model, draws)
 
 
 def cmd_generate(args) -> int:
@@ -143,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("eval", help="held-out greedy pass@1 of a model folder")
     p.add_argument("--model", required=True, help="model folder, e.g. runs/default/model")
+    p.add_argument("--vote", choices=["majority", "q"], default=None,
+                   help="voted accuracy over run.eval_samples draws at run.eval_temperature: "
+                        "plain majority, or weighted by ARRoL's quality head (q)")
     _config_args(p)
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("generate", help="sample responses to a prompt")

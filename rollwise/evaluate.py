@@ -46,3 +46,41 @@ def evaluate(engine: Engine, prompter: Prompter, problems: list[Problem], scorer
     if len(by_tier) > 1:
         out.update({f"eval/pass1/{t}": sum(v) / len(v) for t, v in sorted(by_tier.items())})
     return out
+
+
+def vote(engine: Engine, prompter: Prompter, problems: list[Problem], scorer: Scorer,
+         extract, max_new_tokens: int, samples: int, temperature: float,
+         weigh=None) -> dict[str, float]:
+    """Voted accuracy: `samples` draws per prompt at `temperature`; each draw's answer
+    (extract(text)) gets a vote: weigh([(prompt_ids, response_ids), ...]) gives the draws'
+    weights (None: 1 each, majority voting; ARRoL's quality head: q-weighted voting); the prompt counts as solved when the answer
+    with the largest total is right. Draws with no answer do not vote."""
+    if samples < 2 or temperature == 0:
+        raise ValueError("voting needs run.eval_samples >= 2 draws at run.eval_temperature > 0")
+    requests = [Request(prompter.ids(p), SamplingParams(
+        temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=prompter.stop_ids,
+        seed=EVAL_SEED + i * samples + j), i) for i, p in enumerate(problems)
+        for j in range(samples)]
+    draws: dict[int, list] = defaultdict(list)
+    for r, c in zip(requests, engine.generate(requests)):
+        draws[r.id].append((r.prompt_ids, c.token_ids))
+    solved = []
+    for i, p in enumerate(problems):
+        texts = [prompter.tokenizer.decode(ids, skip_special_tokens=True) for _, ids in draws[i]]
+        weights = weigh(draws[i]) if weigh is not None else [1.0] * len(texts)
+        totals: dict[str, float] = defaultdict(float)
+        first: dict[str, str] = {}
+        for text, w in zip(texts, weights):
+            answer = extract(text)
+            if answer is not None:
+                totals[answer] += float(w)
+                first.setdefault(answer, text)
+        if not totals:
+            solved.append(0.0)
+            continue
+        best = max(totals, key=lambda a: (totals[a], -list(first).index(a)))
+        try:
+            solved.append(float(scorer(first[best], p)[0] >= 1.0))
+        except Exception:  # a scorer failure counts as wrong
+            solved.append(0.0)
+    return {"eval/vote_acc": sum(solved) / max(len(solved), 1)}

@@ -20,7 +20,7 @@ from rollwise.stages.control.alloc_dars import DARS, dars_extra
 from rollwise.stages.control.alloc_sgpo import SGPO
 from rollwise.stages.control.prune_arrol import Arrol, auc, balanced_keep
 from rollwise.stages.generate import generate_round
-from rollwise.stages.generate.group import GroupGenerator, new_sample, sampling_params
+from rollwise.stages.generate.group import GroupGenerator, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks import Problem
 from rollwise.tasks.prompts import Prompter
@@ -404,6 +404,43 @@ def test_each_budget_method_runs_the_loop_and_accounts_for_its_tokens(
     if method == "arrol":
         assert set(sizes.values()) == {4}  # 8 sampled, 4 survive
         assert any("arrol/survivor_pos_share" in m for m in lines)
+        from rollwise.cli import main as cli  # the head votes at test time
+        assert cli(["eval", "--model", str(tmp_path / "b" / "model"), "--vote", "q",
+                    "run.eval_samples=3", "run.eval_temperature=1.0"]) == 0
     if method == "duet":
         assert sum(sizes.values()) <= 2 * 6 * 4 * 0.5  # half the rollouts, fewer once aborted
         assert any(m.get("tokens/aborted/duet_no_marker", 0) > 0 for m in lines)
+
+
+def test_q_weighted_voting_with_an_oracle_head_solves_every_prompt_any_draw_solves(tiny):
+    """vote() against counting by hand: weights of 1 give the plurality answer; an oracle
+    head (1 for a right draw, 0 otherwise) solves exactly the prompts some draw solved."""
+    from rollwise.evaluate import vote
+    model, tok = tiny
+    problems = [Problem(f"v{i}", f"{i}+{i}=", str(i % 3)) for i in range(30)]
+    prompter = Prompter.plain(tok)
+    first = lambda t: t.strip()[:1] or None  # noqa: E731  the answer: the first character
+    scorer = lambda text, p: (float(first(text) == p.answer), "")  # noqa: E731
+    engine = Engine(model, seed=0)
+    args = (engine, prompter, problems, scorer, first, 3, 6, 1.5)
+    majority = vote(*args)["eval/vote_acc"]
+    by_id = {p.id: p for p in problems}
+    texts: dict[int, list[str]] = {}
+
+    def oracle(draws):
+        i = next(k for k, p in enumerate(problems) if prompter.ids(p) == list(draws[0][0]))
+        texts[i] = [tok.decode(r, skip_special_tokens=True) for _, r in draws]
+        return [float(first(t) == problems[i].answer) for t in texts[i]]
+    q = vote(*args, weigh=oracle)["eval/vote_acc"]
+    any_right = sum(any(first(t) == problems[i].answer for t in ts)
+                    for i, ts in texts.items()) / len(problems)
+    assert q == any_right and q >= majority
+    plural = 0
+    for i, ts in texts.items():  # the same draws (seeded), counted by hand
+        answers = [first(t) for t in ts if first(t) is not None]
+        if answers:
+            top = max(answers, key=lambda a: (answers.count(a), -answers.index(a)))
+            plural += top == by_id[f"v{i}"].answer
+    assert majority == plural / len(problems)
+    with pytest.raises(ValueError, match="eval_samples"):
+        vote(engine, prompter, problems, scorer, first, 3, 1, 1.0)

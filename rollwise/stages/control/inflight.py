@@ -10,8 +10,17 @@ The rollout driver (rollwise.stages.generate.rollout) shows the controller every
     Decision("pause", "why", everyone=True)     end the round: every unfinished sequence pauses
 
 Each decision other than continue is counted in the ledger as control/<action>/<reason>.
+A controller deciding for a whole group at once applies a decision to another live sample with
+rollout.decide_for(sample, decision). Optional hooks, called when a controller has them:
+
+    bind(policy=, tokenizer=, task=, prompter=, profile=)   the run's context, once
+    allocate(problems, sizes) -> sizes      samples per prompt before generation (0: skip)
+    observe(scored_groups, step)            after scoring: learn from the rewards
+    metrics() -> dict                       numbers for this step's metrics line
+
 `control.inflight` picks a controller by name: none (RunToEnd, below), april
-(rollwise.stages.control.april), or 'package.module:factory' called as factory(cfg).
+(rollwise.stages.control.april), arrol (prune_arrol.py), duet (abort_duet.py), or
+'package.module:factory' called as factory(cfg).
 """
 
 from __future__ import annotations

@@ -178,6 +178,15 @@ class Arrol:
             if not samples[i].finished:
                 rollout.decide_for(samples[i], PRUNE)
 
+    def q_weights(self, policy, draws: list[tuple[list[int], list[int]]]) -> list[float]:
+        """The head's success probability of each (prompt ids, response ids) at the
+        checkpoint: ARRoL's test-time weights (rollwise eval --vote q)."""
+        if self.head.linear is None:
+            raise RuntimeError("the ARRoL quality head has not learned anything yet: train "
+                               "with control.inflight = arrol before voting with it")
+        h = hidden_states(policy, [list(p) + list(r[:self.t_p]) for p, r in draws])
+        return self.head.score(h).tolist()
+
     def end(self, rollout, want: int) -> list[Group]:
         pruned_tokens = 0
         for g in rollout.groups:
