@@ -367,7 +367,7 @@ def test_duet_reweighted_mean_reward_is_unbiased_against_the_no_abort_run():
     ("duet", ["control.inflight=duet", "control.duet_budget=0.5", "control.duet_horizon=2",
               "control.duet_grace=0", "control.duet_keep_prob=0.5", "engine.segment=1",
               "control.duet_marker=^NEVER"],
-     None, "decisions/control/select/uniform"),
+     "tokens/aborted/duet_no_marker", "decisions/control/abort/duet_no_marker"),
 ])
 def test_each_budget_method_runs_the_loop_and_accounts_for_its_tokens(
         tmp_path, method, extra, token_key, decision_key):
@@ -394,6 +394,12 @@ def test_each_budget_method_runs_the_loop_and_accounts_for_its_tokens(
             ["tokens", "profile"], ["tokens", "pruned"], ["tokens", "aborted"]))
         assert m["tokens/decoded"] == m["tokens/generated"] + gone
     assert summary["tokens_decoded"] == sum(m["tokens/decoded"] for m in lines)
+    from rollwise.report.data import load_run  # the report's "where the tokens went"
+    cats = load_run(tmp_path / "b").token_categories()
+    assert "unaccounted" not in cats
+    if token_key:
+        label = token_key.removeprefix("tokens/").replace("/", ": ", 1)
+        assert sum(cats[label]) == sum(m.get(token_key, 0) for m in lines)
     sizes = {}
     for s in stored:
         sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
