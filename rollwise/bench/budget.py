@@ -49,12 +49,13 @@ METHODS = {
 BUDGET_SHARE = {"duet50": 0.5}
 
 
-def run_method(base: list[str], method: str, seed: int, tokens: int, eval_every: int,
+def run_method(overrides: list[str], method: str, seed: int, tokens: int, eval_every: int,
                target: float, root: str, init: str) -> dict:
+    """One run: overrides are the defaults, the method's settings and the command's."""
     from rollwise.loop.metrics import step_metrics
     from rollwise.loop.sync import Run
     from rollwise.report.progress import Progress
-    cfg = load_config(None, base + METHODS[method] + [
+    cfg = load_config(None, overrides + [
         f"run.seed={seed}", f"run.root={root}", f"run.name={method}-{seed}",
         f"run.init={init}", "train.steps=100000"])
     run = Run(cfg, Progress("quiet"))
@@ -138,12 +139,13 @@ def main(argv: list[str]) -> int:
     from rollwise import models
     from rollwise.tasks import load_task
     from rollwise.training.sft import warm_start
-    base = DEFAULTS + args.overrides
-    cfg = load_config(None, base + [f"run.root={args.root}"])
+    cfg = load_config(None, DEFAULTS + args.overrides + [f"run.root={args.root}"])
     model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
     init = f"{args.root}/warm-start"
     models.save(model, tok, init)
-    jobs = [(base + (["run.threads=1"] if args.jobs > 1 else []), m, seed, args.tokens,
+    threads = ["run.threads=1"] if args.jobs > 1 else []
+    # the command's overrides come last: they win over a method's own settings
+    jobs = [(DEFAULTS + METHODS[m] + args.overrides + threads, m, seed, args.tokens,
              args.eval_every, args.target, args.root, init)
             for seed in args.seeds for m in args.methods]
     runs = []

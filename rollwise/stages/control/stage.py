@@ -80,17 +80,18 @@ class Control:
         if n == 0:
             return []
         ledger.decide("control", "select", self.cfg.control.selector, n)
-        pool = self.task.train if self.curriculum is None \
-            else self.curriculum.pool(self.task.train, step)
-        pool = self.sizer.pool(pool, self._profile)
-        return self.selector.select(pool, n, self.rng)
+        return self.selector.select(self._pool(step), n, self.rng)
 
     def prepare(self, step: int) -> None:
         """Before a step's generation: the sizer's pool is made now (sGPO's profiling pass
         runs the engine, so it must not start inside a round)."""
+        self._pool(step)
+
+    def _pool(self, step: int) -> list[Problem]:
+        """The prompts to select from: the task's, narrowed by a curriculum, then the sizer."""
         pool = self.task.train if self.curriculum is None \
             else self.curriculum.pool(self.task.train, step)
-        self.sizer.pool(pool, self._profile)
+        return self.sizer.pool(pool, self._profile)
 
     def metrics(self) -> dict[str, float]:
         """The in-flight controller's own numbers for this step (ARRoL's head AUC)."""
