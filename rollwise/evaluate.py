@@ -53,8 +53,9 @@ def vote(engine: Engine, prompter: Prompter, problems: list[Problem], scorer: Sc
          weigh=None) -> dict[str, float]:
     """Voted accuracy: `samples` draws per prompt at `temperature`; each draw's answer
     (extract(text)) gets a vote: weigh([(prompt_ids, response_ids), ...]) gives the draws'
-    weights (None: 1 each, majority voting; ARRoL's quality head: q-weighted voting); the prompt counts as solved when the answer
-    with the largest total is right. Draws with no answer do not vote."""
+    weights (None: 1 each, majority voting; ARRoL's quality head: q-weighted voting). The
+    prompt counts as solved when the answer with the largest total is right (a tie: the one
+    drawn first). Draws with no answer do not vote."""
     if samples < 2 or temperature == 0:
         raise ValueError("voting needs run.eval_samples >= 2 draws at run.eval_temperature > 0")
     requests = [Request(prompter.ids(p), SamplingParams(
@@ -78,7 +79,7 @@ def vote(engine: Engine, prompter: Prompter, problems: list[Problem], scorer: Sc
         if not totals:
             solved.append(0.0)
             continue
-        best = max(totals, key=lambda a: (totals[a], -list(first).index(a)))
+        best = max(totals, key=totals.get)  # the first of equal totals, in draw order
         try:
             solved.append(float(scorer(first[best], p)[0] >= 1.0))
         except Exception:  # a scorer failure counts as wrong

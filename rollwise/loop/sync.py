@@ -31,8 +31,7 @@ from rollwise.report.sinks import build_sinks
 from rollwise.stages.control.stage import Control
 from rollwise.stages.filter import eval_scorer
 from rollwise.stages.filter.groups import build_group_filter, keep
-from rollwise.stages.control.inflight import RunToEnd
-from rollwise.stages.generate import Rollout, build_generator, extend_groups, generate_round
+from rollwise.stages.generate import build_generator, extend_groups, generate_round, run_to_end
 from rollwise.stages.generate.group import new_sample, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.stages.replay import build_replay
@@ -121,7 +120,6 @@ class Run:
         self.prompter = Prompter.for_task(cfg.task, self.tokenizer, self.task, model)
         self.params = sampling_params(cfg.generate, self.prompter.stop_ids)
         self.replay = build_replay(cfg)
-        self.ledger = Ledger()  # the current step's (sGPO's profiling pass counts into it)
         self.control.bind(profile=self.profile, policy=self.trainer.model,
                           tokenizer=self.tokenizer, task=self.task, prompter=self.prompter)
         self.eval_scorer = eval_scorer(cfg.filter, self.task)
@@ -140,9 +138,9 @@ class Run:
         """Generate -> Filter -> Control -> Replay, persist, train, sync: one pass."""
         assert self.engine.version == self.trainer.version, "engine holds stale weights"
         t0, ledger, version = time.time(), Ledger(), self.trainer.version
-        self.current_step, decoded0, self.ledger = step, self.engine.tokens_generated, ledger
+        self.current_step, decoded0 = step, self.engine.tokens_generated
         want = self.cfg.control.prompts_per_step
-        self.control.prepare(step)  # sGPO's profiling pass, once
+        self.control.prepare(step, ledger)  # sGPO's profiling pass, once
         replayed = self.replay.take(want, version, self.rng)                   # Replay
         r = StepResult(step, [], [], ledger, version, 0,
                        replay=self.replay.metrics(replayed, want, version))
@@ -189,19 +187,15 @@ class Run:
         self.progress.phase("score")
         _add(r.filter, self.filter.score(added))
 
-    def profile(self, problems: list, k: int) -> dict[str, tuple[int, int]]:
+    def profile(self, problems: list, k: int, ledger: Ledger) -> dict[str, tuple[int, int]]:
         """k samples of each prompt under the current policy, scored (sGPO's profiling pass):
-        prompt id -> (successes, k). Its tokens count as tokens/profile in this step."""
-        ledger = self.ledger
+        prompt id -> (successes, k). Its tokens count as tokens/profile in `ledger`."""
         self.progress.log(f"profiling {len(problems)} prompts x {k} samples "
                           f"(control.group_size = {self.cfg.control.group_size})")
         groups = [Group(p.id, [new_sample(p, p.prompt_ids, self.current_step)
                                for _ in range(k)], p)
                   for p in self.prompter.render(problems)]
-        rollout = Rollout(self.engine, RunToEnd(), ledger, self.params)
-        for g in groups:
-            rollout.add(g)
-        rollout.run()
+        run_to_end(self.engine, groups, self.params, ledger)
         self.filter.score(groups)
         ledger.tokens_to("profile", sum(s.num_tokens for g in groups for s in g.samples))
         ledger.decide("control", "profile", self.cfg.control.group_size, len(groups))

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 from rollwise.tasks import Problem
 from rollwise.types import Group
 
-# problems, samples each -> prompt id -> (successes, trials); counts its tokens as profiling
+# what a sizer's pool() gets: (problems, samples each) -> prompt id -> (successes, trials)
 Profile = Callable[[list[Problem], int], dict[str, tuple[int, int]]]
 
 

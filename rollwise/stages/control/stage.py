@@ -61,7 +61,7 @@ class Control:
         self.inflight = build_inflight(cfg)
         self.refill = Refill(cfg)
         self.sizer = build_group_sizer(cfg)
-        self.profile: Profile | None = None  # set by the loop: samples prompts, scores them
+        self.profile: Profile | None = None  # set by the loop: (problems, k, ledger) -> outcomes
 
     def bind(self, **context) -> None:
         """What a part may need beyond the config (profile, policy, tokenizer, task): the
@@ -80,28 +80,29 @@ class Control:
         if n == 0:
             return []
         ledger.decide("control", "select", self.cfg.control.selector, n)
-        return self.selector.select(self._pool(step), n, self.rng)
+        return self.selector.select(self._pool(step, ledger), n, self.rng)
 
-    def prepare(self, step: int) -> None:
+    def prepare(self, step: int, ledger: Ledger) -> None:
         """Before a step's generation: the sizer's pool is made now (sGPO's profiling pass
-        runs the engine, so it must not start inside a round)."""
-        self._pool(step)
+        runs the engine, so it must not start inside a round; its tokens go to `ledger`)."""
+        self._pool(step, ledger)
 
-    def _pool(self, step: int) -> list[Problem]:
+    def _pool(self, step: int, ledger: Ledger) -> list[Problem]:
         """The prompts to select from: the task's, narrowed by a curriculum, then the sizer."""
         pool = self.task.train if self.curriculum is None \
             else self.curriculum.pool(self.task.train, step)
-        return self.sizer.pool(pool, self._profile)
+        return self.sizer.pool(pool, lambda problems, k: self._profile(problems, k, ledger))
 
     def metrics(self) -> dict[str, float]:
         """The in-flight controller's own numbers for this step (ARRoL's head AUC)."""
         return self.inflight.metrics() if hasattr(self.inflight, "metrics") else {}
 
-    def _profile(self, problems: list[Problem], k: int) -> dict[str, tuple[int, int]]:
+    def _profile(self, problems: list[Problem], k: int, ledger: Ledger
+                 ) -> dict[str, tuple[int, int]]:
         if self.profile is None:
             raise RuntimeError(f"control.group_size = {self.cfg.control.group_size} profiles "
                                "prompts, but nothing bound a profiler (Control.bind(profile=))")
-        return self.profile(problems, k)
+        return self.profile(problems, k, ledger)
 
     def sized(self, problems: list[Problem], step: int, ledger: Ledger) -> list[Problem]:
         """Each problem (its ids made) as a copy carrying its group size: the sizer's, then

@@ -50,14 +50,23 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
     return groups
 
 
-def extend_groups(engine, groups: list, counts: list[int], params, ledger) -> list:
-    """`counts[i]` more i.i.d. samples for groups[i] (DARS's second stage), run to their end
-    with no in-flight control; returns, per group that grew, a Group of its new samples only
-    (for scoring) after appending them to the group itself."""
+def run_to_end(engine, groups: list, params, ledger) -> None:
+    """Generate every unfinished sample of the groups to its end, with no in-flight control
+    (sGPO's profiling pass, DARS's extra samples)."""
     from rollwise.stages.control.inflight import RunToEnd
+    rollout = Rollout(engine, RunToEnd(), ledger, params)
+    for g in groups:
+        rollout.add(g)
+    rollout.run()
+
+
+def extend_groups(engine, groups: list, counts: list[int], params, ledger) -> list:
+    """`counts[i]` more i.i.d. samples for groups[i] (DARS's second stage), run to their end;
+    returns, per group that grew, a Group of its new samples only (for scoring) after
+    appending them to the group itself."""
     from rollwise.stages.generate.group import new_sample
     from rollwise.types import Group
-    rollout, added = Rollout(engine, RunToEnd(), ledger, params), []
+    added = []
     for g, k in zip(groups, counts):
         if k > 0:
             step = g.samples[0].step if g.samples else -1
@@ -65,12 +74,11 @@ def extend_groups(engine, groups: list, counts: list[int], params, ledger) -> li
             for s in fresh:
                 s.group_id = g.samples[0].group_id
             added.append(Group(g.prompt_id, fresh, g.problem))
-    for part in added:
-        rollout.add(part)
-    rollout.run()
+    run_to_end(engine, added, params, ledger)
     for g, part in zip([g for g, k in zip(groups, counts) if k > 0], added):
         g.samples += part.samples
     return added
 
 
-__all__ = ["Generator", "Rollout", "build_generator", "extend_groups", "generate_round"]
+__all__ = ["Generator", "Rollout", "build_generator", "extend_groups", "generate_round",
+           "run_to_end"]
