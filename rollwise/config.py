@@ -427,6 +427,10 @@ class TrainConfig(Section):
     lr: float = Field(3e-4, gt=0)
     lr_end_factor: float = Field(0.1, ge=0, le=1)
     """Linear decay to lr * lr_end_factor over the run (a constant rate swings late pass@1)."""
+    warmup_steps: int = Field(5, ge=0)
+    """RL steps over which the learning rate ramps up linearly, (s + 1) / warmup_steps of the
+    decayed rate at step s. AdamW's first step moves every weight by about lr whatever the
+    gradient's size; a ramp lets the moment estimates settle first."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     minibatches: int = Field(2, ge=1)

@@ -14,6 +14,7 @@ import torch
 from rollwise import models
 from rollwise.bench import e2e
 from rollwise.bench.e2e_trl import make_reward, rollwise_optimizer, trl_batch_args
+from rollwise.training.trainer import lr_factor
 from rollwise.config import ModelConfig, load_config
 from rollwise.stages.filter import build_filter
 from rollwise.tasks import load_task
@@ -60,8 +61,10 @@ def test_trl_reward_is_rollwise_exact_answer():
     assert sum(got[20:40]) == palindromes  # reversed text is right only for palindromes
 
 
-def test_learning_rate_schedule_matches_rollwise_trainer():
-    cfg = load_config(None, ["train.steps=5", "train.lr=0.01", "train.lr_end_factor=0.2"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_learning_rate_schedule_matches_rollwise_trainer(warmup):
+    cfg = load_config(None, ["train.steps=5", "train.lr=0.01", "train.lr_end_factor=0.2",
+                             f"train.warmup_steps={warmup}"])
     model, tok = models.build(ModelConfig(hidden_size=16, num_layers=1, num_heads=2,
                                           num_kv_heads=1, intermediate_size=32))
     trainer = Trainer(model, cfg.train, pad_id=tok.pad_token_id)
@@ -76,6 +79,11 @@ def test_learning_rate_schedule_matches_rollwise_trainer():
             sched.step()
         trainer.optimizer.step()
         trainer.scheduler.step()
+    # closed form at RL step s: min(1, (s+1)/3) * (1 - 0.8 * min(s, 5) / 5) * 0.01
+    ramp = [1 / 3, 2 / 3, 1, 1, 1, 1, 1] if warmup else [1] * 7
+    decay = [1, 0.84, 0.68, 0.52, 0.36, 0.2, 0.2]
+    assert [lr_factor(cfg.train, s) for s in range(7)] == pytest.approx(
+        [r * d for r, d in zip(ramp, decay)])
 
 
 ROWS = [{"step": 0, "eval/pass1": 0.3},

@@ -131,3 +131,45 @@ def test_sft_noise_naming_an_absent_tier_is_a_clear_error():
     assert cfg.sft.noise == {"sub2": 0.6, "add2": 0.0}
     with pytest.raises(ConfigError, match="noise"):
         load_config(None, ["sft.noise={sub2: 1.5}"])
+
+
+def _check_steps(text: str) -> list[bool]:
+    """Each step 'x+y+c=zz;' checked by its own arithmetic, and each carry c against the
+    previous step's written sum."""
+    ok, carry = [], 0
+    for step in text.split(":")[0].rstrip(";").split(";"):
+        lhs, rhs = step.split("=")
+        x, y, c = (int(v) for v in lhs.split("+"))
+        ok.append(x + y + c == int(rhs) and c == carry)
+        carry = int(rhs) // 10
+    return ok
+
+
+@pytest.mark.parametrize("tier,digits", [("add3s", 3), ("add4s", 4), ("add5s", 5)])
+def test_stepped_tiers_write_one_checked_column_per_step(tier, digits):
+    task = load_task(TaskConfig(tiers={tier: 1.0}, train_size=200, eval_size=50))
+    rng = random.Random(0)
+    for p in task.train + task.eval:
+        a, b = (int(v) for v in p.prompt.strip().rstrip("=").split("+"))
+        assert len(str(a)) == len(str(b)) == digits and int(p.answer) == a + b
+        text = task.worked_solution(p, rng, noisy=False)
+        assert all(_check_steps(text)) and len(_check_steps(text)) == digits
+        assert task.extract_answer(text) == p.answer
+        assert 20 <= len(text) <= 100  # long enough to branch on
+        # the noisy teacher forgets every carry: each step adds 0, the answer follows the
+        # steps, and it is wrong exactly when the sum has a carry
+        dropped = task.worked_solution(p, rng, noisy=True)
+        steps = dropped.split(":")[0].rstrip(";").split(";")
+        assert all(s.split("=")[0].endswith("+0") for s in steps)
+        assert dropped.split(":")[1] == "".join(str(int(s.split("=")[1]) % 10) for s in steps)
+        has_carry = any(int(x) + int(y) >= 10 for x, y in zip(str(a)[::-1], str(b)[::-1])) \
+            or len(str(a + b)) > digits
+        assert (task.extract_answer(dropped) != p.answer) == has_carry
+
+
+def test_stepped_answer_is_read_after_the_marker_only():
+    task = load_task(TaskConfig(tiers={"add3s": 1.0}, train_size=10, eval_size=5))
+    assert task.extract_answer("7+6+0=13;4+8+1=13;") is None  # no answer yet
+    assert task.extract_answer("7+6+0=13;4+8+1=13;3+5+1=09;:") is None
+    assert task.extract_answer("7+6+0=13;4+8+1=13;3+5+1=09;:339") == "933"
+    assert task.extract_answer("12") == "21"  # the unstepped tiers' format still reads

@@ -23,6 +23,7 @@ import torch
 
 from rollwise.config import Config
 from rollwise.tasks import Problem
+from rollwise.training.trainer import lr_factor
 
 
 def trl_batch_args(cfg: Config) -> dict:
@@ -59,13 +60,12 @@ def make_reward(task, scorer):
 
 
 def rollwise_optimizer(model, cfg: Config, opt_steps_per_rl_step: int):
-    """rollwise's AdamW and schedule (linear to lr * lr_end_factor over train.steps RL steps),
-    stepped once per TRL optimizer step."""
+    """rollwise's AdamW and schedule (trainer.lr_factor, per RL step), stepped once per TRL
+    optimizer step."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
                             weight_decay=cfg.train.weight_decay)
-    total, end = max(cfg.train.steps, 1), cfg.train.lr_end_factor
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 1 - (1 - end) * min(s // opt_steps_per_rl_step, total) / total)
+        opt, lambda s: lr_factor(cfg.train, s // opt_steps_per_rl_step))
     return opt, sched
 
 

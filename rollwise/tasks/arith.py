@@ -4,6 +4,13 @@ Prompts are right-aligned to a fixed width and answers are written least-signifi
 first ("12+39=" -> "15" for 51): carries then flow left to right, which a tiny model learns in
 minutes. The warm start learns add2/sub2 from noisy worked solutions and mostly fails add3 and
 chain, so RL has both fixable and hard prompts, reported per tier.
+
+The stepped tiers (add3s, add4s, add5s) are additions whose worked solution is a scratchpad,
+one column per step, least significant first, each with its carry, then ':' and the answer:
+"347+586=" -> "7+6+0=13;4+8+1=13;3+5+1=09;:339" (933). A wrong step makes a wrong answer, so
+the model's uncertainty sits at the steps; responses are 20-70 tokens long. The noisy teacher
+forgets carries (sft.noise of the solutions), so the warm start is unsure exactly at the
+columns that take a carry, and solves the problems without one.
 """
 
 from __future__ import annotations
@@ -27,7 +34,35 @@ def _chain(r: random.Random):
 def _mul1(r: random.Random): a, b = r.randint(2, 9), r.randint(10, 99); return f"{a}*{b}=", a * b
 
 
-TIERS = {"add2": _add2, "sub2": _sub2, "add3": _add3, "chain": _chain, "mul1": _mul1}
+def _stepped(digits: int):
+    def draw(r: random.Random):
+        lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+        a, b = r.randint(lo, hi), r.randint(lo, hi)
+        return f"{a}+{b}=", a + b
+    return draw
+
+
+STEPPED = {"add3s": 3, "add4s": 4, "add5s": 5}
+TIERS = {"add2": _add2, "sub2": _sub2, "add3": _add3, "chain": _chain, "mul1": _mul1,
+         **{name: _stepped(d) for name, d in STEPPED.items()}}
+
+
+def scratchpad(a: int, b: int, drop_carries: bool = False) -> str:
+    """Column-by-column addition of a and b, least significant column first, then ':' and
+    the sum's digits least significant first. drop_carries: the teacher's systematic slip,
+    every carry forgotten (each column adds 0 instead), the answer following the steps."""
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    steps, digits, carry = [], [], 0
+    for i in range(max(len(xs), len(ys))):
+        x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        carry = 0 if drop_carries else carry
+        total = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={total:02d};")
+        digits.append(str(total % 10))
+        carry = total // 10
+    if carry and not drop_carries:
+        digits.append(str(carry))
+    return "".join(steps) + ":" + "".join(digits)
 
 
 def encode_answer(value: int) -> str:
@@ -97,7 +132,11 @@ class ArithTask:
         return noisy_answer(int(problem.answer), rng)[::-1]
 
     def worked_solution(self, problem: Problem, rng: random.Random, noisy: bool) -> str:
-        """The SFT target: optional geometric '.' filler, then the (possibly noisy) answer."""
+        """The SFT target: optional geometric '.' filler, then the (possibly noisy) answer; a
+        stepped tier's scratchpad instead, a noisy one forgetting every carry."""
+        if problem.tier in STEPPED:
+            a, b = (int(x) for x in problem.prompt.strip().rstrip("=").split("+"))
+            return scratchpad(a, b, drop_carries=noisy)
         answer = self.noisy_solution(problem, rng) if noisy else problem.solution
         char, mean = ".", self.filler_mean
         if self.filler_tail > 0 and rng.random() < self.filler_tail:
@@ -109,5 +148,12 @@ class ArithTask:
         return char * dots + answer
 
     def extract_answer(self, response: str) -> str | None:
+        """The answer, read least significant digit first: after the last ':' of a scratchpad
+        (None while a scratchpad has no ':' yet), else the response after any filler."""
+        if ":" in response:
+            text = response.rsplit(":", 1)[1].strip()
+            return text[::-1] if text else None
+        if ";" in response:
+            return None
         text = response.strip().lstrip(".,")
         return text[::-1] if text else None

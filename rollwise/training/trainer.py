@@ -94,10 +94,8 @@ class Trainer:
         self.master = MasterWeights.of(model)  # fp32 copies when the parameters are bf16/fp16
         self.optimizer = torch.optim.AdamW(self.params(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
-        total = max(cfg.steps, 1)
-        end = cfg.lr_end_factor
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: 1 - (1 - end) * min(s, total) / total)
+            self.optimizer, lambda s: lr_factor(cfg, s))
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -484,6 +482,14 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning rate at RL step `step`, as a multiple of train.lr: a linear warmup over
+    train.warmup_steps times a linear decay to train.lr_end_factor over train.steps."""
+    total = max(cfg.steps, 1)
+    decay = 1 - (1 - cfg.lr_end_factor) * min(step, total) / total
+    return decay * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else decay
 
 
 def _combine(key: str, old: float | None, new: float) -> float:
