@@ -145,7 +145,7 @@ def _check_steps(text: str) -> list[bool]:
     return ok
 
 
-@pytest.mark.parametrize("tier,digits", [("add3s", 3), ("add4s", 4), ("add5s", 5)])
+@pytest.mark.parametrize("tier,digits", [("add2s", 2), ("add3s", 3), ("add4s", 4), ("add5s", 5)])
 def test_stepped_tiers_write_one_checked_column_per_step(tier, digits):
     task = load_task(TaskConfig(tiers={tier: 1.0}, train_size=200, eval_size=50))
     rng = random.Random(0)

@@ -327,8 +327,9 @@ def test_an_update_with_no_groups_advances_the_schedule_quietly(tiny, groups):
     follow the RL step, and torch's scheduler-before-optimizer warning is not shown."""
     import warnings
     model, tok = tiny
-    cfg = TrainConfig(lr=1e-3, lr_end_factor=0.5, steps=4, minibatches=1)
+    cfg = TrainConfig(lr=1e-3, lr_end_factor=0.5, steps=4, minibatches=1, warmup_steps=2)
     trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 2)  # warming up
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning fails the test

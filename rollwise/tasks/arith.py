@@ -5,7 +5,7 @@ first ("12+39=" -> "15" for 51): carries then flow left to right, which a tiny m
 minutes. The warm start learns add2/sub2 from noisy worked solutions and mostly fails add3 and
 chain, so RL has both fixable and hard prompts, reported per tier.
 
-The stepped tiers (add3s, add4s, add5s) are additions whose worked solution is a scratchpad,
+The stepped tiers (add2s to add5s) are additions whose worked solution is a scratchpad,
 one column per step, least significant first, each with its carry, then ':' and the answer:
 "347+586=" -> "7+6+0=13;4+8+1=13;3+5+1=09;:339" (933). A wrong step makes a wrong answer, so
 the model's uncertainty sits at the steps; responses are 20-70 tokens long. The noisy teacher
@@ -42,7 +42,7 @@ def _stepped(digits: int):
     return draw
 
 
-STEPPED = {"add3s": 3, "add4s": 4, "add5s": 5}
+STEPPED = {"add2s": 2, "add3s": 3, "add4s": 4, "add5s": 5}
 TIERS = {"add2": _add2, "sub2": _sub2, "add3": _add3, "chain": _chain, "mul1": _mul1,
          **{name: _stepped(d) for name, d in STEPPED.items()}}
 
