@@ -439,6 +439,13 @@ class TrainConfig(Section):
     n kept groups takes ceil(n / this) steps, so each group that carries a signal buys the same
     share of a step however it was found. None: train.minibatches steps per update."""
     epochs: int = Field(1, ge=1)
+    old_logprobs_from_engine: bool = True
+    """The rows the trainer does not forward before its first optimizer step take the
+    engine's behaviour log-probs as the old policy, saving a no-grad pass, when the engine is
+    checked to be the trainer's policy: every trained token sampled at the trainer's version,
+    and the first minibatch's rows (forwarded anyway) within old_logprobs_tolerance of their
+    engine log-probs on every trained token. Otherwise the pass is taken."""
+    old_logprobs_tolerance: float = Field(1e-4, ge=0)
     pack_prompts: bool = True
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps
     them apart): the same log-probabilities up to float rounding, for fewer tokens. Checked

@@ -11,7 +11,7 @@ from rollwise.config import TrainConfig, load_config
 from rollwise import registry
 from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch
-from train_helpers import capture_grads, clone, make_groups
+from train_helpers import capture_grads, clone, make_groups, set_on_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +226,8 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tiny, loss, agg):
     grads, params, rows = [], [], []
     for skip in (False, True):
         cfg = TrainConfig(loss=loss, loss_agg=agg, minibatches=2, skip_zero_advantage=skip,
-                          pack_prompts=False)  # rows counted unpacked
+                          pack_prompts=False,  # rows counted unpacked
+                          old_logprobs_from_engine=False)  # every old log-prob recomputed
         trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=1)
         seen, through = capture_grads(trainer), _rows_through_model(trainer)
         m = trainer.update(clone(groups))
@@ -306,6 +307,51 @@ def test_the_first_step_reuses_the_old_logprob_pass_and_keeps_its_gradient(tiny,
         assert a.abs().max() > 0
         assert (a - b).abs().max() <= (1e-5 if step == 0 else 1e-4) * a.abs().max()
     assert rows[1] < rows[0] == 8 + 8  # separate: 8 old-log-prob rows + the moving ones
+
+
+def _update_with(model, tok, groups, **cfg) -> tuple[list[torch.Tensor], dict, list[int]]:
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=2, lr=1e-3, **cfg),
+                      pad_id=tok.pad_token_id, seed=2)
+    through = _rows_through_model(trainer)
+    m = trainer.update(groups)
+    return [p.detach().clone() for p in trainer.model.parameters()], m, through
+
+
+def test_engine_log_probs_stand_for_the_old_policy_only_when_checked_equal(tiny, groups):
+    """The second minibatch's old log-probs come from the engine when the first minibatch's
+    pass agrees with the engine within the tolerance: the weights then equal the recomputed
+    update's up to that tolerance, and one no-grad pass is saved. A larger gap, a stale token
+    or the option off takes the pass, and the update is the recomputed one exactly."""
+    model, tok = tiny
+    on_policy = clone(groups)
+    set_on_policy(on_policy, model, tok.pad_token_id, version=0)
+    ref_w, ref_m, ref_rows = _update_with(model, tok, clone(on_policy),
+                                          old_logprobs_from_engine=False)
+    assert ref_m["train/old_logprobs_from_engine"] == 0.0
+    nudged = clone(on_policy)  # an engine that agrees to 5e-6: rounding of another kernel
+    gen = torch.Generator().manual_seed(0)
+    for s in (s for g in nudged for s in g.samples):
+        s.logprobs = [x + 5e-6 * (2 * float(torch.rand(1, generator=gen)) - 1)
+                      for x in s.logprobs]
+    w, m, rows = _update_with(model, tok, clone(nudged))
+    assert m["train/old_logprobs_from_engine"] == 1.0
+    assert m["train/old_logprobs_engine_gap_max"] <= 1e-4
+    assert sum(rows) < sum(ref_rows)  # the no-grad pass over the other rows is gone
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, ref_w))
+
+    far = clone(on_policy)  # one token of each sample off by 0.01: the check fails
+    for s in (s for g in far for s in g.samples):
+        s.logprobs[0] += 0.01
+    stale = clone(nudged)
+    stale[-1].samples[-1].versions = [-3] * len(stale[-1].samples[-1].versions)
+    for case, cfg in ((far, {}), (stale, {}), (nudged, {"old_logprobs_from_engine": False})):
+        w2, m2, rows2 = _update_with(model, tok, clone(case), **cfg)
+        assert m2["train/old_logprobs_from_engine"] == 0.0
+        assert sum(rows2) == sum(ref_rows)
+    # with the pass taken, only the anchor's own inputs differ from the reference: none here
+    w3, _, _ = _update_with(model, tok, clone(far), old_logprobs_tolerance=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(w3, _update_with(
+        model, tok, clone(far), old_logprobs_from_engine=False)[0]))
 
 
 def test_a_kept_first_pass_is_used_by_the_first_step_only(tiny, groups):

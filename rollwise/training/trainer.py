@@ -248,9 +248,10 @@ class Trainer:
         return compute_advantages(self.cfg.advantage, self.advantage_inputs(groups, rewards),
                                   self.cfg.advantage_clip)
 
-    def _old_logprobs(self, batch: Batch, first: torch.Tensor | None):
+    def _old_logprobs(self, batch: Batch, first: torch.Tensor | None, m: dict[str, float]):
         """(prox, entropy, Prepared.first): the policy before the update on every row, the
-        rows `first` through a pass that keeps its graph for the first optimizer step."""
+        rows `first` through a pass that keeps its graph for the first optimizer step; the
+        others from a no-grad pass, or the engine's where it is checked to be the policy."""
         if first is None or len(first) == 0:
             return (*self.logprobs(self.model, batch), None)
         B, W = batch.size, batch.loss_mask.shape[1]
@@ -262,10 +263,34 @@ class Trainer:
         rest = torch.ones(B, dtype=torch.bool)
         rest[first] = False
         rest = rest.nonzero().squeeze(-1)
-        if len(rest):
+        if len(rest) and self._engine_is_policy(batch, first, logp.detach(), m):
+            prox[rest] = batch.behaviour_logprobs[rest]  # the same policy: skip the pass
+            if batch.entropies is not None:
+                ent[rest] = batch.entropies[rest]
+        elif len(rest):
             lp, er = self.logprobs(self.model, batch.select(rest))
             prox[rest, :lp.shape[1]], ent[rest, :er.shape[1]] = lp, er
         return prox, ent, (first, logp, e)
+
+    def _engine_is_policy(self, batch: Batch, first: torch.Tensor, logp: torch.Tensor,
+                          m: dict[str, float]) -> bool:
+        """True when the engine's behaviour log-probs may stand for the trainer's old ones:
+        train.old_logprobs_from_engine, every trained token sampled at the trainer's version,
+        and the first minibatch's rows, forwarded anyway, within train.old_logprobs_tolerance
+        of the engine on every trained token (a global check: a dtype, kernel or sampling
+        difference shows on any rows)."""
+        m["old_logprobs_from_engine"] = 0.0
+        trained = batch.loss_mask > 0
+        if not self.cfg.old_logprobs_from_engine or \
+                (batch.versions[trained] != self.version).any():
+            return False
+        W = logp.shape[1]
+        gap = (logp - batch.behaviour_logprobs[first, :W]).abs()[trained[first, :W]]
+        if gap.numel() == 0:
+            return False
+        m["old_logprobs_engine_gap_max"] = float(gap.max())
+        m["old_logprobs_from_engine"] = float(gap.max() <= self.cfg.old_logprobs_tolerance)
+        return bool(m["old_logprobs_from_engine"])
 
     @torch.no_grad()
     def prepare(self, groups: list[Group], first_mb: torch.Tensor | None = None
@@ -281,7 +306,7 @@ class Trainer:
         kl_reward = self.ref_model is not None and cfg.kl_mode == "reward"
         adv = None if kl_reward else self._advantages(groups, rewards)
         prox, ent, first_pass = self._old_logprobs(
-            batch, self._first_rows(first_mb, None if adv is None else adv.advantages))
+            batch, self._first_rows(first_mb, None if adv is None else adv.advantages), m)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
