@@ -442,9 +442,11 @@ class TrainConfig(Section):
     old_logprobs_from_engine: bool = True
     """The rows the trainer does not forward before its first optimizer step take the
     engine's behaviour log-probs as the old policy, saving a no-grad pass, when the engine is
-    checked to be the trainer's policy: every trained token sampled at the trainer's version,
-    and the first minibatch's rows (forwarded anyway) within old_logprobs_tolerance of their
-    engine log-probs on every trained token. Otherwise the pass is taken."""
+    checked to be the trainer's policy: no TIS/MIS correction (train.correction.mode none),
+    every trained token sampled at the trainer's version, and the first minibatch's rows
+    (forwarded anyway) within old_logprobs_tolerance of their engine log-probs on every
+    trained token. Otherwise the pass is taken. The check samples the rows, so an engine whose
+    mismatch is sporadic rather than global wants a correction mode, or this off."""
     old_logprobs_tolerance: float = Field(1e-4, ge=0)
     pack_prompts: bool = True
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps

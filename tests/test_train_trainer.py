@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.config import TrainConfig, load_config
+from rollwise.config import CorrectionConfig, TrainConfig, load_config
 from rollwise import registry
 from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch
@@ -320,8 +320,9 @@ def _update_with(model, tok, groups, **cfg) -> tuple[list[torch.Tensor], dict, l
 def test_engine_log_probs_stand_for_the_old_policy_only_when_checked_equal(tiny, groups):
     """The second minibatch's old log-probs come from the engine when the first minibatch's
     pass agrees with the engine within the tolerance: the weights then equal the recomputed
-    update's up to that tolerance, and one no-grad pass is saved. A larger gap, a stale token
-    or the option off takes the pass, and the update is the recomputed one exactly."""
+    update's up to that tolerance, and one no-grad pass is saved. A larger gap, a stale token,
+    a TIS/MIS correction (it measures every token's mismatch) or the option off takes the
+    pass, and the update is the recomputed one exactly."""
     model, tok = tiny
     on_policy = clone(groups)
     set_on_policy(on_policy, model, tok.pad_token_id, version=0)
@@ -344,7 +345,9 @@ def test_engine_log_probs_stand_for_the_old_policy_only_when_checked_equal(tiny,
         s.logprobs[0] += 0.01
     stale = clone(nudged)
     stale[-1].samples[-1].versions = [-3] * len(stale[-1].samples[-1].versions)
-    for case, cfg in ((far, {}), (stale, {}), (nudged, {"old_logprobs_from_engine": False})):
+    tis = {"correction": CorrectionConfig(mode="tis")}
+    for case, cfg in ((far, {}), (stale, {}), (nudged, {"old_logprobs_from_engine": False}),
+                      (nudged, tis)):
         w2, m2, rows2 = _update_with(model, tok, clone(case), **cfg)
         assert m2["train/old_logprobs_from_engine"] == 0.0
         assert sum(rows2) == sum(ref_rows)

@@ -275,15 +275,16 @@ class Trainer:
     def _engine_is_policy(self, batch: Batch, first: torch.Tensor, logp: torch.Tensor,
                           m: dict[str, float]) -> bool:
         """True when the engine's behaviour log-probs may stand for the trainer's old ones:
-        train.old_logprobs_from_engine, every trained token sampled at the trainer's version,
+        train.old_logprobs_from_engine, no TIS/MIS correction (they measure the mismatch on
+        every token), every trained token sampled at the trainer's version,
         and the first minibatch's rows, forwarded anyway, within train.old_logprobs_tolerance
         of the engine on every trained token (a global check: a dtype, kernel or sampling
         difference shows on any rows)."""
         m["old_logprobs_from_engine"] = 0.0
         trained = batch.loss_mask > 0
-        if not self.cfg.old_logprobs_from_engine or \
+        if not self.cfg.old_logprobs_from_engine or self.cfg.correction.mode != "none" or \
                 (batch.versions[trained] != self.version).any():
-            return False
+            return False  # TIS/MIS measure the mismatch on every token: they need the pass
         W = logp.shape[1]
         gap = (logp - batch.behaviour_logprobs[first, :W]).abs()[trained[first, :W]]
         if gap.numel() == 0:
