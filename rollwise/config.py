@@ -75,6 +75,11 @@ class TaskConfig(Section):
     """Built-in tiers: the share of worked solutions that think long instead: ',' filler,
     geometric with mean filler_tail_mean (a heavy tail: a few responses run far longer)."""
     filler_tail_mean: float = Field(0.0, ge=0)
+    stepped_teacher: Literal["forgets_carries", "wrong_facts"] = "forgets_carries"
+    """How the stepped tiers' noisy worked solutions (sft.noise of them) go wrong: every carry
+    forgotten (one rule to relearn), or the sum off by one wherever a column adds one of
+    `wrong_facts` digit pairs drawn from task.seed (many facts, each relearned alone)."""
+    wrong_facts: int = Field(30, ge=1, le=100)
 
     @model_validator(mode="after")
     def _check_filler_tail(self):

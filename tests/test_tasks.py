@@ -173,3 +173,27 @@ def test_stepped_answer_is_read_after_the_marker_only():
     assert task.extract_answer("7+6+0=13;4+8+1=13;3+5+1=09;:") is None
     assert task.extract_answer("7+6+0=13;4+8+1=13;3+5+1=09;:339") == "933"
     assert task.extract_answer("12") == "21"  # the unstepped tiers' format still reads
+
+
+def test_wrong_facts_teacher_slips_exactly_on_its_digit_pairs():
+    from rollwise.tasks.arith import wrong_facts
+    cfg = TaskConfig(tiers={"add4s": 1.0}, train_size=300, eval_size=20,
+                     stepped_teacher="wrong_facts", wrong_facts=30)
+    task, wrong = load_task(cfg), wrong_facts(30, cfg.seed)
+    assert len(wrong) == 30 and set(wrong.values()) <= {-1, 1}
+    rng, slipped_any = random.Random(0), 0
+    for p in task.train:
+        a, b = (int(v) for v in p.prompt.strip().rstrip("=").split("+"))
+        text = task.worked_solution(p, rng, noisy=True)
+        carry, used = 0, False
+        for step in text.split(":")[0].rstrip(";").split(";"):
+            lhs, rhs = step.split("=")
+            x, y, c = (int(v) for v in lhs.split("+"))
+            assert c == carry  # carries follow the written (slipped) sums
+            assert int(rhs) == x + y + c + wrong.get((x, y), 0)
+            used |= (x, y) in wrong
+            carry = int(rhs) // 10
+        # a slip of +-1 at column i moves the sum by +-10^i: never back to the right answer
+        assert (task.extract_answer(text) != p.answer) == used
+        slipped_any += used
+    assert 0 < slipped_any < len(task.train)

@@ -47,22 +47,33 @@ TIERS = {"add2": _add2, "sub2": _sub2, "add3": _add3, "chain": _chain, "mul1": _
          **{name: _stepped(d) for name, d in STEPPED.items()}}
 
 
-def scratchpad(a: int, b: int, drop_carries: bool = False) -> str:
+def scratchpad(a: int, b: int, drop_carries: bool = False,
+               wrong: dict[tuple[int, int], int] | None = None) -> str:
     """Column-by-column addition of a and b, least significant column first, then ':' and
-    the sum's digits least significant first. drop_carries: the teacher's systematic slip,
-    every carry forgotten (each column adds 0 instead), the answer following the steps."""
+    the sum's digits least significant first. The teacher's systematic slips: drop_carries
+    forgets every carry (each column adds 0 instead); wrong maps a digit pair (x, y) to the
+    amount its column's sum is off by. The later carries and the answer follow the steps."""
     xs, ys = str(a)[::-1], str(b)[::-1]
     steps, digits, carry = [], [], 0
     for i in range(max(len(xs), len(ys))):
         x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
         carry = 0 if drop_carries else carry
-        total = x + y + carry
+        total = x + y + carry + (wrong or {}).get((x, y), 0)
         steps.append(f"{x}+{y}+{carry}={total:02d};")
         digits.append(str(total % 10))
         carry = total // 10
     if carry and not drop_carries:
         digits.append(str(carry))
     return "".join(steps) + ":" + "".join(digits)
+
+
+def wrong_facts(n: int, seed: int) -> dict[tuple[int, int], int]:
+    """n digit pairs whose column sum the 'wrong_facts' teacher writes off by one (+1 or -1,
+    kept within 0..19 whatever the carry)."""
+    rng = random.Random(f"wrong-facts-{seed}")
+    pairs = rng.sample([(x, y) for x in range(10) for y in range(10)], n)
+    return {(x, y): (1 if x + y == 0 else -1 if x + y == 18 else rng.choice((-1, 1)))
+            for x, y in pairs}
 
 
 def encode_answer(value: int) -> str:
@@ -94,6 +105,8 @@ class ArithTask:
         self.weights = {t: w / total for t, w in cfg.tiers.items() if w > 0}
         self.filler_mean = cfg.filler_mean
         self.filler_tail, self.filler_tail_mean = cfg.filler_tail, cfg.filler_tail_mean
+        self.wrong = wrong_facts(cfg.wrong_facts, cfg.seed) \
+            if cfg.stepped_teacher == "wrong_facts" else None
         rng = random.Random(cfg.seed)
         self.eval = []
         seen: set[str] = set()
@@ -133,10 +146,12 @@ class ArithTask:
 
     def worked_solution(self, problem: Problem, rng: random.Random, noisy: bool) -> str:
         """The SFT target: optional geometric '.' filler, then the (possibly noisy) answer; a
-        stepped tier's scratchpad instead, a noisy one forgetting every carry."""
+        stepped tier's scratchpad instead, a noisy one slipping as task.stepped_teacher says."""
         if problem.tier in STEPPED:
             a, b = (int(x) for x in problem.prompt.strip().rstrip("=").split("+"))
-            return scratchpad(a, b, drop_carries=noisy)
+            if not noisy:
+                return scratchpad(a, b)
+            return scratchpad(a, b, drop_carries=self.wrong is None, wrong=self.wrong)
         answer = self.noisy_solution(problem, rng) if noisy else problem.solution
         char, mean = ".", self.filler_mean
         if self.filler_tail > 0 and rng.random() < self.filler_tail:
