@@ -8,9 +8,9 @@ chain, so RL has both fixable and hard prompts, reported per tier.
 The stepped tiers (add2s to add5s) are additions whose worked solution is a scratchpad,
 one column per step, least significant first, each with its carry, then ':' and the answer:
 "347+586=" -> "7+6+0=13;4+8+1=13;3+5+1=09;:339" (933). A wrong step makes a wrong answer, so
-the model's uncertainty sits at the steps; responses are 20-70 tokens long. The noisy teacher
-forgets carries (sft.noise of the solutions), so the warm start is unsure exactly at the
-columns that take a carry, and solves the problems without one.
+the model's uncertainty sits at the steps; responses are 21-51 tokens long. The noisy teacher
+(sft.noise of the solutions) forgets every carry, or gets a seeded set of digit-pair facts
+wrong (task.stepped_teacher), so the warm start is unsure exactly at those columns.
 """
 
 from __future__ import annotations

@@ -278,8 +278,9 @@ class Trainer:
         train.old_logprobs_from_engine, no TIS/MIS correction (they measure the mismatch on
         every token), every trained token sampled at the trainer's version,
         and the first minibatch's rows, forwarded anyway, within train.old_logprobs_tolerance
-        of the engine on every trained token (a global check: a dtype, kernel or sampling
-        difference shows on any rows)."""
+        of the engine on every trained token. A dtype, kernel or sampling difference shows on
+        any rows; a mismatch confined to a few rows may not, and the correction metrics then
+        see the first minibatch's rows only."""
         m["old_logprobs_from_engine"] = 0.0
         trained = batch.loss_mask > 0
         if not self.cfg.old_logprobs_from_engine or self.cfg.correction.mode != "none" or \
