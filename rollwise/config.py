@@ -155,16 +155,58 @@ class EngineConfig(Section):
         return self
 
 
+class LatrConfig(Section):
+    """LATR (generate.strategy=latr; METHODS.md §2.7). Defaults: the paper's math setting."""
+    tau_abs: float = Field(0.15, ge=0, le=1)
+    """Branch on the second-best token when its probability exceeds this ..."""
+    tau_rel: float = Field(0.25, ge=0, le=1)
+    """... and it is within this of the best token's."""
+    ages: list[int] = [20, 30, 50]
+    """Decode steps after a branch's birth at which it is compared with its parent."""
+    similarity: float = Field(0.4, ge=0, le=1)
+    """Prune a child whose newest r tokens are within this normalised edit distance of its
+    parent's."""
+    force_exit: int = Field(1024, gt=0)
+    """Decode step at which the tree phase ends whatever the branch count."""
+    eta: dict[int, float] = {0: 1.0, 100: 0.75, 200: 0.5, 300: 0.25}
+    """Training step -> share of each group drawn from the tree (the rest i.i.d.)."""
+
+
+class EchoConfig(Section):
+    """ECHO (generate.strategy=echo; METHODS.md §2.5). Defaults: the released config. The
+    entropy is that of the renormalised top-`top_k` distribution (at most ln top_k nats), so a
+    small top_k wants a lower entropy_threshold."""
+    top_k: int = Field(10, ge=2)
+    roots: int = Field(2, ge=1)
+    """Sampled sequences per prompt that branch; the group is filled to its size with i.i.d.
+    samples once the tree is done."""
+    min_position: int = Field(4, ge=0)
+    entropy_threshold: float = Field(3.5, gt=1)
+    conf_threshold: float = Field(1.2, gt=0)
+    delta_threshold: float = 0.2
+    max_width: int = Field(4, ge=1)
+    group_window: int = Field(4, ge=1)
+    tail_window: int = Field(8, ge=1)
+    delta_window: int = Field(4, ge=1)
+    min_group_conf: float = 0.4
+    tail_conf: float = 1.0
+    delta_rise: float = 0.5
+    prune: bool = True
+
+
 class GenerateConfig(Section):
     strategy: GenerateStrategyName = "group"
-    """How trajectories are proposed: group (i.i.d. samples per prompt), or
-    'package.module:factory' called as factory(cfg, tokenizer) (rollwise.stages.generate)."""
+    """How trajectories are proposed: group (i.i.d. samples per prompt), latr or echo (tree
+    rollouts), or 'package.module:factory' called as factory(cfg, tokenizer)
+    (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
     max_new_tokens: int = Field(8, gt=0)
+    latr: LatrConfig = LatrConfig()
+    echo: EchoConfig = EchoConfig()
 
 
 class SandboxConfig(Section):
@@ -453,6 +495,13 @@ class TrainConfig(Section):
     trained token. Otherwise the pass is taken. The check samples the rows, so an engine whose
     mismatch is sporadic rather than global wants a correction mode, or this off."""
     old_logprobs_tolerance: float = Field(1e-4, ge=0)
+    chosen_tokens: Literal["ratio", "mask"] = "ratio"
+    """Tokens a tree chose rather than sampled (Sample.chosen: LATR's greedy and second-best
+    tokens, ECHO's alternatives). 'ratio': trained as sampled tokens, their importance ratio
+    taken against the log-probability of the distribution they were chosen from (what LATR
+    and ECHO do; the gradient is then that of a sample that happened to draw them). 'mask':
+    out of the loss (only sampled tokens train; a tree then shapes which prefixes are
+    explored but never pushes up a token nobody sampled)."""
     pack_prompts: bool = True
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps
     them apart): the same log-probabilities up to float rounding, for fewer tokens. Checked

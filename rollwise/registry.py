@@ -43,7 +43,9 @@ BUILTIN: dict[str, dict[str, str]] = {
                  "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",
                  "dps": "rollwise.stages.control.select_dps:DPSSelector.build"},
     # factory(cfg, tokenizer) -> Generator
-    "generator": {"group": "rollwise.stages.generate.group:GroupGenerator"},
+    "generator": {"group": "rollwise.stages.generate.group:GroupGenerator",
+                  "latr": "rollwise.stages.generate.latr:LatrGenerator",
+                  "echo": "rollwise.stages.generate.echo:EchoGenerator"},
     # factory(cfg) -> InflightController
     "inflight": {"none": "rollwise.stages.control.inflight:RunToEnd",
                  "april": "rollwise.stages.control.april:April",

@@ -51,8 +51,13 @@ class Sample:
     uid: str = field(default_factory=new_uid)
     group_id: str = ""
     parent_uid: str | None = None  # tree parent (fork) or the paused sample this resumes
+    root_uid: str | None = None  # the tree's first sample (None: this sample is a root)
     branch_point: int | None = None  # response index where this branched off its parent
-    step: int = -1  # training step whose batch this sample was generated for
+    step: int = -1  # training step whose batch this sample was generated for (birth step)
+    chosen: list[int] = field(default_factory=list)
+    """Response indices of tokens chosen by a tree (LATR's second-best token, ECHO's top-w
+    alternatives) rather than sampled. Their behaviour log-probability is still that of the
+    distribution they came from; train.chosen_tokens decides how the loss treats them."""
     meta: dict[str, Any] = field(default_factory=dict)  # task data: answer, tier, text
 
     def extend(self, tokens: list[int], logprobs: list[float], versions: list[int],
@@ -70,10 +75,11 @@ class Sample:
         """A child that continues from this sample's current end (its lineage: this parent
         and the branch point); the per-token columns are copied, not shared."""
         return dataclasses.replace(
-            self, uid=new_uid(), parent_uid=self.uid, branch_point=self.num_tokens,
-            response_ids=list(self.response_ids), logprobs=list(self.logprobs),
-            versions=list(self.versions), loss_mask=list(self.loss_mask),
-            entropies=list(self.entropies), rewards={}, meta=dict(self.meta))
+            self, uid=new_uid(), parent_uid=self.uid, root_uid=self.root_uid or self.uid,
+            branch_point=self.num_tokens, response_ids=list(self.response_ids),
+            logprobs=list(self.logprobs), versions=list(self.versions),
+            loss_mask=list(self.loss_mask), entropies=list(self.entropies),
+            chosen=list(self.chosen), rewards={}, meta=dict(self.meta))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, str, numbers): what checkpoints, the store and buffers keep. The

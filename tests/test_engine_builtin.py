@@ -51,6 +51,8 @@ def test_fork_copies_kv_without_prefill_and_branches_on_an_alternative_token(wil
     plain, branched = engine.fork(sid, 1, seeds=[3])[0], engine.fork(sid, 1, last_tokens=[alt])[0]
     events = contract.drain(engine)
     assert engine.prefill_tokens == prefilled  # children reused the parent's K/V rows
+    # counted as saved: prompt + the 3 tokens before the latest (its K/V comes next pass)
+    assert engine.prefix_tokens_saved == 2 * (len(PROMPTS[3]) + 3)
     finished = {e.seq_id for e in events if e.finished}
     assert finished == {sid, plain, branched}
     with pytest.raises(KeyError, match="not waiting, running or paused"):

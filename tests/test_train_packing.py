@@ -1,6 +1,7 @@
-"""Shared-prompt packing: one row per prompt with its responses after it must give the padded
-forward pass's log-probabilities, entropies and gradients (float rounding only), in any order of
-samples, with rows capped, and a model whose attention ignores the packing mask is caught."""
+"""Shared-prefix packing: one trie per prompt (its responses, and tree children's shared
+response prefixes, once) must give the padded forward pass's log-probabilities, entropies and
+gradients (float rounding only), in any order of samples, with rows capped, and a model whose
+attention ignores the packing mask is caught."""
 
 import copy
 import random
@@ -35,7 +36,7 @@ def random_samples(seed: int, prompts: int = 5, vocab=(3, 50)) -> list[Sample]:
 @pytest.mark.parametrize("fill", [False, True])
 def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap, fill):
     model, tok = tiny
-    samples = random_samples(seed)
+    samples = _tree_samples(seed)  # groups, and tree children sharing response prefixes
     batch = Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
     packed = pack(batch, max_row_tokens=cap, fill=fill)
     assert packed.input_ids.shape[1] <= max(cap, int(batch.attention_mask.sum(1).max()))
@@ -54,7 +55,7 @@ def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap, fi
 
 def test_packed_gradient_equals_the_padded_gradient(tiny):
     model, tok = tiny
-    samples = random_samples(7)
+    samples = _tree_samples(7)
     batch = Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
     weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
     grads = []
@@ -151,44 +152,57 @@ def test_batch_columns_equal_a_per_sample_layout(seed):
         assert int(batch.prompt_lens[i]) == p
 
 
+def _tree_samples(seed: int) -> list[Sample]:
+    """random_samples plus tree children: copies of a sample's first k response tokens that
+    continue differently (what a fork leaves in a group)."""
+    rng = random.Random(seed)
+    out = random_samples(seed)
+    for s in list(out):
+        if s.num_tokens >= 2 and rng.random() < 0.6:
+            k = rng.randrange(1, s.num_tokens)
+            resp = s.response_ids[:k] + [rng.randrange(3, 50) for _ in range(rng.randint(0, 5))]
+            out.append(Sample(prompt_id=s.prompt_id, prompt_ids=s.prompt_ids, response_ids=resp,
+                              logprobs=[0.0] * len(resp), versions=[0] * len(resp),
+                              loss_mask=[1] * len(resp)))
+    rng.shuffle(out)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("cap", [2048, 10, 1])
-def test_pack_layout_equals_a_row_by_row_reference(seed, cap):
-    """pack (vectorised) against the layout built row by row in plain Python: same rows,
-    tokens, positions, mask, and response targets in the same order (row, sample, token)."""
-    samples = random_samples(seed)
+@pytest.mark.parametrize("fill", [False, True])
+def test_pack_layout_is_a_prefix_trie_against_a_direct_reading(seed, cap, fill):
+    """Read the packed rows back in plain Python: every response target's predicting node sees,
+    through the mask, exactly the sample's tokens before it at positions 0.. in order; without a
+    row cap each distinct prefix of a prompt's samples is in the rows once; targets come sample
+    by sample, in token order."""
+    samples = _tree_samples(seed)
     batch = Batch.from_samples(samples, [0.0] * len(samples), pad_id=1)
-    packed = pack(batch, max_row_tokens=cap)
-    rows, keys = [], {}  # [prompt, [sample indices], tokens]
-    for i, s in enumerate(samples):
-        r = keys.get(tuple(s.prompt_ids))
-        if r is None or rows[r][2] + s.num_tokens > cap:
-            r = keys[tuple(s.prompt_ids)] = len(rows)
-            rows.append([s.prompt_ids, [], len(s.prompt_ids)])
-        rows[r][1].append(i)
-        rows[r][2] += s.num_tokens
-    L = max(t for _, _, t in rows)
-    ids, pos, seg, targets = [], [], [], []
-    for r, (prompt, members, _) in enumerate(rows):
-        P = len(prompt)
-        tok, ps, sg = list(prompt), list(range(P)), [0] * P
-        for k, i in enumerate(members):
-            resp = samples[i].response_ids
-            for j, t in enumerate(resp):
-                targets.append((r, P - 1 if j == 0 else len(tok) - 1, t, i, P - 1 + j))
-                tok.append(t)
-                ps.append(P + j)
-                sg.append(k + 1)
-        ids.append(tok + [0] * (L - len(tok)))
-        pos.append(ps + [0] * (L - len(ps)))
-        seg.append(sg + [-1] * (L - len(sg)))
-    assert packed.input_ids.tolist() == ids and packed.position_ids.tolist() == pos
-    got = list(zip(*(x.tolist() for x in (packed.src_row, packed.src_pos, packed.target,
-                                           packed.dst_row, packed.dst_col))))
-    assert got == targets
-    for r in range(len(rows)):
-        for q in range(L):
-            for k in range(L):
-                may = (k <= q and seg[r][k] != -1 and seg[r][q] != -1
-                       and seg[r][k] in (0, seg[r][q])) or k == q
-                assert bool(packed.mask[r, 0, q, k]) == may
+    packed = pack(batch, max_row_tokens=cap, fill=fill)
+    ids, pos, mask = packed.input_ids.tolist(), packed.position_ids.tolist(), packed.mask[:, 0]
+
+    def context(r: int, q: int) -> list[tuple[int, int]]:  # (position id, token) seen by q
+        return sorted((pos[r][k], ids[r][k]) for k in range(len(ids[r])) if mask[r, q, k])
+    targets = list(zip(*(x.tolist() for x in (packed.src_row, packed.src_pos, packed.target,
+                                               packed.dst_row, packed.dst_col))))
+    assert len(targets) == sum(s.num_tokens for s in samples)
+    for r, q, t, i, col in targets:
+        seq = samples[i].prompt_ids + samples[i].response_ids
+        assert t == seq[col + 1]
+        assert context(r, q) == list(enumerate(seq[:col + 1]))
+    order = [(i, col) for _, _, _, i, col in targets]
+    for a, b in zip(order, order[1:]):
+        assert a[0] != b[0] or b[1] == a[1] + 1  # a sample's targets in order, together
+    assert len({i for i, _ in order}) == len({i for i, _ in dict.fromkeys(order)})
+    if cap == 2048:  # each distinct context once (the prompt's block has all its samples)
+        prefixes = {tuple((s.prompt_ids + s.response_ids)[:d]) for s in samples
+                    if s.num_tokens for d in range(1, len(s.prompt_ids) + s.num_tokens)}
+        assert len(_real_nodes(packed)) == len(prefixes)
+
+
+def _real_nodes(packed) -> set[tuple[int, int]]:
+    """(row, column) of the nodes some target's context passes through."""
+    out = set()
+    for r, q in zip(packed.src_row.tolist(), packed.src_pos.tolist()):
+        out.update((r, int(k)) for k in torch.nonzero(packed.mask[r, 0, q]).flatten())
+    return out

@@ -94,6 +94,11 @@ class Engine:
         self._ready: list[Event] = []  # events of forks that ended at birth
 
     @property
+    def prefix_tokens_saved(self) -> int:
+        """Prompt and response tokens forked children did not prefill again (K/V copied)."""
+        return self.scheduler.fork_tokens_saved
+
+    @property
     def model(self):
         """The live model: its parameters are the weights generation uses."""
         return self.runner.model

@@ -23,16 +23,20 @@ class SamplingParams:
     seed: int | None = None  # None: drawn from the engine's seeded stream
     top_logprobs: int = 0  # also report the k most likely tokens of the sampled distribution
     return_hidden: bool = False  # also report the last hidden state at each event
+    event_every: int = 0  # report events every this many tokens (0: the engine's segment);
+    # a tree that decides at every token (LATR, ECHO) asks for 1
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature = {self.temperature}: must be >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
-        if self.top_k < 0 or self.max_new_tokens < 1 or self.top_logprobs < 0:
+        if self.top_k < 0 or self.max_new_tokens < 1 or self.top_logprobs < 0 or \
+                self.event_every < 0:
             raise ValueError(f"top_k = {self.top_k}, top_logprobs = {self.top_logprobs}, "
-                             f"max_new_tokens = {self.max_new_tokens}: top_k and top_logprobs "
-                             f"must be >= 0 and max_new_tokens >= 1")
+                             f"max_new_tokens = {self.max_new_tokens}, event_every = "
+                             f"{self.event_every}: top_k, top_logprobs and event_every must "
+                             f"be >= 0 and max_new_tokens >= 1")
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -156,6 +156,7 @@ class Scheduler:
         self.cache_rows = 0
         self.cache_len = 0
         self._copies: list[tuple[int, int, int]] = []
+        self.fork_tokens_saved = 0  # K/V positions forks copied instead of prefilling again
 
     # ---- requests in -----------------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -299,7 +300,7 @@ class Scheduler:
         k = self.segment
         for seq in plan.decode:
             n = len(seq.tokens)
-            k = min(k, seq.params.max_new_tokens - n, self.segment - (n - seq.emitted))
+            k = min(k, seq.params.max_new_tokens - n, self.every(seq) - (n - seq.emitted))
         return max(k, 1)
 
     def update_window(self, plan: StepPlan, tokens: list[list[int]],
@@ -328,7 +329,11 @@ class Scheduler:
         reason = seq.done_reason()
         if reason is not None:
             self._finish(seq, SeqStatus.FINISHED, reason)
-        return reason is not None or len(seq.tokens) - seq.emitted >= self.segment
+        return reason is not None or len(seq.tokens) - seq.emitted >= self.every(seq)
+
+    def every(self, seq: Sequence) -> int:
+        """Tokens between two events of this sequence (its params may ask for fewer)."""
+        return getattr(seq.params, "event_every", 0) or self.segment
 
     def event(self, seq: Sequence) -> Event:
         a = seq.emitted
@@ -401,6 +406,7 @@ class Scheduler:
                 self._place(child, shape)  # type: ignore[arg-type]
                 child.cached = parent.cached
                 self._copies.append((parent.slot, child.slot, parent.cached))  # type: ignore
+                self.fork_tokens_saved += parent.cached
             return True
         for child in reversed(children):
             self.add(child, front=True)

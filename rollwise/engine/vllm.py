@@ -135,7 +135,8 @@ class VLLMEngine:
                 del self._live[seq.seq_id]
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = _FINISH.get(o.finish_reason or "", "length")
-            if out.finished or len(seq.tokens) - seq.emitted >= self.segment:
+            every = seq.params.event_every or self.segment
+            if out.finished or len(seq.tokens) - seq.emitted >= every:
                 events.append(_event(seq))
         return events
 

@@ -3,6 +3,7 @@
     rollwise rollouts runs/default                          # the first 20 samples, one a line
     rollwise rollouts runs/default --step 5:9 --status truncated --min-reward 1
     rollwise rollouts runs/default --prompt "12+34" --tokens   # token ids, logprobs, versions
+    rollwise rollouts runs/latr --step 3 --tree                # each group as its tree
     rollwise rollouts runs/default --export out.jsonl          # one JSON object per sample
     rollwise rollouts runs/default --export out_dir            # datasets.load_dataset(out_dir)
     rollwise rollouts runs/default --verify                    # read every page, check checksums
@@ -30,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--status", help="completed, truncated, failed, aborted, paused")
     p.add_argument("--limit", type=int, default=20, help="samples printed (0: all)")
     p.add_argument("--tokens", action="store_true", help="print every token of each sample")
+    p.add_argument("--tree", action="store_true", help="print each group as a tree (forked "
+                   "samples under their parent, with branch point and chosen tokens)")
     p.add_argument("--export", metavar="PATH", help="write the selected samples: a .jsonl "
                    "file, or a folder of Parquet shards that datasets.load_dataset reads")
     p.add_argument("--verify", action="store_true", help="check every file in full")
@@ -115,6 +118,37 @@ def line(r: dict) -> str:
             f"{len(r['response_ids']):>4}  {text[:80]}")
 
 
+def tree_order(rows: list[dict]) -> list[tuple[dict, int]]:
+    """Rows group by group, each sample after its parent (depth first), with its depth. A
+    sample whose parent is not among the rows (pruned, or filtered out) starts a tree."""
+    out: list[tuple[dict, int]] = []
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    for members in groups.values():
+        uids = {r["uid"] for r in members}
+        kids: dict[str | None, list[dict]] = {}
+        for r in members:
+            kids.setdefault(r["parent_uid"] if r["parent_uid"] in uids else None, []).append(r)
+        todo = [(r, 0) for r in reversed(kids.get(None, []))]
+        while todo:
+            r, d = todo.pop()
+            out.append((r, d))
+            todo += [(k, d + 1) for k in reversed(kids.get(r["uid"], []))]
+    return out
+
+
+def tree_line(r: dict, depth: int) -> str:
+    """line(), indented under its parent, with where it branched and how many tokens of it
+    the tree chose rather than sampled."""
+    where = "" if r["branch_point"] is None else f"@{r['branch_point']} "
+    chosen = f"chosen {len(r['chosen'])} " if r.get("chosen") else ""
+    text = (r["prompt_text"] + "|" + r["response_text"]).replace("\n", "\\n")
+    return (f"{r['step']:>5} {r['prompt_id']:>10} {r['status']:<9} {r['reward']:6.2f} "
+            f"{len(r['response_ids']):>4}  {'  ' * depth}{'└ ' if depth else ''}{where}{chosen}"
+            f"{text[:80]}")
+
+
 def tokens(r: dict) -> str:
     cols = zip(r["response_ids"], r["logprobs"], r["versions"], r["loss_mask"])
     return "\n".join(f"      {t:>6} logp {lp:9.4f} v{v} mask {m}" for t, lp, v, m in cols)
@@ -135,8 +169,9 @@ def main(args) -> int:
         return 0
     rows = sel.slice(0, args.limit or sel.num_rows).to_pylist()
     print(" step     prompt status    reward  len  prompt|response")
-    for r in rows:
-        print(line(r))
+    for r in (tree_order(rows) if args.tree else ((r, 0) for r in rows)):
+        r, depth = r
+        print(tree_line(r, depth) if args.tree else line(r))
         if args.tokens:
             print(tokens(r))
     print(f"{len(rows)} shown of {sel.num_rows} selected, {table.num_rows} stored in "

@@ -47,9 +47,10 @@ SCHEMA = pa.schema([
     ("entropies", pa.list_(pa.float64())), ("rewards", pa.string()), ("reward", pa.float64()),
     ("reward_info", pa.string()), ("prompt_text", pa.string()), ("response_text", pa.string()),
     ("meta", pa.string()), ("timings", pa.string()), ("weight", pa.float64()),
+    ("root_uid", pa.string()), ("chosen", pa.list_(pa.int32())),
 ])
 """rewards, meta and timings are JSON objects (reward channels, task data, seconds)."""
-OPTIONAL = {"timings", "weight"}  # columns that files of older versions lack
+OPTIONAL = {"timings", "weight", "root_uid", "chosen"}  # columns that files of older versions lack
 
 FILE = re.compile(r"step-(\d{6,})(?:-(\d{2,}))?\.(parquet|jsonl)$")
 
@@ -64,7 +65,8 @@ def sample_row(s: Sample, prompt_text: str = "", response_text: str = "",
 def row_sample(row: dict) -> Sample:
     return Sample.from_dict({**row, "rewards": json.loads(row["rewards"]),
                              "meta": json.loads(row["meta"]),
-                             "weight": 1.0 if row.get("weight") is None else row["weight"]})
+                             "weight": 1.0 if row.get("weight") is None else row["weight"],
+                             "chosen": row.get("chosen") or []})
 
 
 def step_of(path: Path) -> int:

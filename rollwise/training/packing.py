@@ -1,4 +1,4 @@
-"""Shared-prompt packing for the trainer's forward passes.
+"""Shared-prefix packing for the trainer's forward passes: prompts, and trees.
 
 The G samples of a group share their prompt, and in RL the prompt is often longer than the
 response (the default task: ~12 prompt tokens, ~3 response tokens). Run as a padded batch,
@@ -13,6 +13,12 @@ exactly the context it has in the padded layout, so log-probabilities and gradie
 same up to float rounding, for a fraction of the tokens. The first response token is
 predicted from the prompt's last position, shared by all the responses of the row.
 
+The same holds for any shared prefix: a block is a token trie, so a tree's children (which
+repeat their parent's tokens up to the branch point) put the shared response prefix through
+the model once, and each child's tokens after it attend to that prefix only. The loss is still
+computed per sample and token, so a tree trains exactly as its leaves laid out as independent
+samples would, for the tokens of the trie.
+
 The result is scattered back into the Batch's (B, T-1) target layout, so the rest of the
 trainer does not know the difference.
 """
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.types import Batch, concat_ranges
+from rollwise.types import Batch
 
 
 @dataclass
@@ -42,80 +48,121 @@ class Packed:
         return self.input_ids.numel()
 
 
-def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed:
-    """Rows of one prompt and as many of its responses as fit in max_row_tokens (at least one).
-    Samples share a row when their prompt token ids are equal, whatever their group. With
-    fill, these blocks are then placed first-fit-decreasing into rows as long as the longest
-    block, several per row, so that fewer padding tokens go through the model."""
-    att, plen = batch.attention_mask.sum(1), batch.prompt_lens
-    ids, n_resp = batch.input_ids.tolist(), (att - plen).tolist()
-    row, off, member = [0] * batch.size, [0] * batch.size, [0] * batch.size  # per sample
-    first: list[int] = []  # per row: its first sample, whose prompt the row starts with
-    used: list[int] = []  # tokens in each row
-    count: list[int] = []  # samples in each row
-    open_row: dict[tuple[int, ...], int] = {}
-    for i, p in enumerate(plen.tolist()):
-        prompt = tuple(ids[i][:p])
-        r = open_row.get(prompt)
-        if r is None or used[r] + n_resp[i] > max_row_tokens:
-            r = open_row[prompt] = len(first)
-            first.append(i)
-            used.append(p)
-            count.append(0)
-        row[i], off[i], member[i] = r, used[r], count[r]
-        used[r] += n_resp[i]
-        count[r] += 1
+class _Block:
+    """The token trie of one row block: samples that share a prompt, each sharing with the
+    earlier ones every token of its longest common prefix (the prompt; a tree's shared
+    response prefix; identical opening tokens of i.i.d. samples)."""
 
-    # Laid out with tensor ops. The response targets keep the order row, sample, token: the
-    # first tokens of a row's responses share one predicting position, whose gradient sums
-    # them in this order.
-    nblk = len(first)
-    place = [(b, 0) for b in range(nblk)]  # block -> (row, offset in the row)
+    def __init__(self):
+        self.tokens: list[int] = []  # per node: its token,
+        self.depth: list[int] = []  # its position in the sequence (the position id),
+        self.seg: list[int] = []  # its segment (the new nodes of one insert),
+        self.kids: list[dict[int, int]] = [{}]  # node + 1 -> {token: child node}; [0]: root
+        self.segments: list[tuple[int, int]] = []  # (first node, the node it hangs from or -1)
+        self.samples: list[int] = []
+
+    def shared(self, seq: list[int]) -> int:
+        """How many leading tokens of seq the trie holds already."""
+        node, m = 0, 0
+        for t in seq:
+            nxt = self.kids[node].get(t)
+            if nxt is None:
+                break
+            node, m = nxt + 1, m + 1
+        return m
+
+    def insert(self, seq: list[int]) -> list[int]:
+        """The node of each token of seq, adding the ones not there yet (one new segment)."""
+        nodes, node, new_seg = [], 0, None
+        for d, t in enumerate(seq):
+            nxt = self.kids[node].get(t)
+            if nxt is None:
+                if new_seg is None:
+                    new_seg = len(self.segments)
+                    self.segments.append((len(self.tokens), node - 1))
+                nxt = self.kids[node][t] = len(self.tokens)
+                self.tokens.append(t)
+                self.depth.append(d)
+                self.seg.append(new_seg)
+                self.kids.append({})
+            nodes.append(nxt)
+            node = nxt + 1
+        return nodes
+
+    def mask(self) -> torch.Tensor:
+        """(n, n) bool: a node attends to itself and its ancestors, nothing else."""
+        n = len(self.tokens)
+        seg = torch.tensor(self.seg, dtype=torch.long)
+        base = torch.zeros((len(self.segments), n), dtype=torch.bool)  # ancestors above a segment
+        for s, (_, hang) in enumerate(self.segments):
+            if hang >= 0:
+                up = self.seg[hang]
+                base[s] = base[up]
+                base[s, self.segments[up][0]:hang + 1] = True
+        idx = torch.arange(n)
+        own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+        return base[seg] | own
+
+
+def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed:
+    """Blocks of one prompt and as many of its samples as fit in max_row_tokens (at least
+    one), each block a token trie: every distinct prefix is in the row once, so a prompt shared
+    by a group, and the shared response prefix of a tree's children, go through the model once.
+    A node attends to its ancestors only and sits at its sequence position, so each response
+    token sees exactly its padded-layout context. Samples share a block when their prompt token
+    ids are equal, whatever their group. With fill, blocks are then placed first-fit-decreasing
+    into rows as long as the longest block, several per row, so that fewer padding tokens go
+    through the model."""
+    att, plen = batch.attention_mask.sum(1).tolist(), batch.prompt_lens.tolist()
+    ids = batch.input_ids.tolist()
+    blocks: list[_Block] = []
+    nodes: list[list[int]] = [[] for _ in ids]  # per sample: the node of each of its tokens
+    block_of = [0] * len(ids)
+    open_block: dict[tuple[int, ...], int] = {}
+    for i, (n, p) in enumerate(zip(att, plen)):
+        seq = ids[i][:n]
+        b = open_block.get(tuple(seq[:p]))
+        if b is None or (len(blocks[b].tokens) + n - blocks[b].shared(seq) > max_row_tokens):
+            b = open_block[tuple(seq[:p])] = len(blocks)
+            blocks.append(_Block())
+        nodes[i], block_of[i] = blocks[b].insert(seq), b
+        blocks[b].samples.append(i)
+
+    sizes = [len(b.tokens) for b in blocks]
+    place = [(b, 0) for b in range(len(blocks))]  # block -> (row, offset in the row)
     if fill:
         ends: list[int] = []
-        longest = max(used)
-        for b in sorted(range(nblk), key=lambda b: -used[b]):
-            r = next((r for r, e in enumerate(ends) if e + used[b] <= longest), len(ends))
+        for b in sorted(range(len(blocks)), key=lambda b: -sizes[b]):
+            r = next((r for r, e in enumerate(ends) if e + sizes[b] <= max(sizes)), len(ends))
             if r == len(ends):
                 ends.append(0)
             place[b] = (r, ends[r])
-            ends[r] += used[b]
-    blk_row = torch.tensor([r for r, _ in place], dtype=torch.long)
-    blk_off = torch.tensor([o for _, o in place], dtype=torch.long)
-    R, L = int(blk_row.max()) + 1, max(used)
-    stride = max(count) + 1  # segment ids: block * stride (prompt), + k + 1 (response k)
-    blk = torch.tensor(row, dtype=torch.long)
-    row = blk_row[blk]
-    off = torch.tensor(off, dtype=torch.long) + blk_off[blk]
-    member = torch.tensor(member, dtype=torch.long) + blk * stride
-    first = torch.tensor(first, dtype=torch.long)
-    order = torch.argsort(blk, stable=True)  # samples by block, in sample order within one
-    n = (att - plen)[order]
-    smp = order.repeat_interleave(n)  # per response token: its sample,
-    j = concat_ranges(n)  # its index in the response,
-    P = plen[smp]
-    dst_row, dst_col = smp, P - 1 + j  # (the Batch's target column)
-    src_row, col = row[smp], off[smp] + j  # and where it sits in the packed rows
-    src_pos = torch.where(j == 0, blk_off[blk[smp]] + P - 1, col - 1)  # j = 0: prompt's last
-    target = batch.input_ids[smp, P + j]
-    pblk = torch.arange(nblk).repeat_interleave(plen[first])  # per prompt token: its block,
-    pj = concat_ranges(plen[first])  # its position
-    prow, pcol = blk_row[pblk], blk_off[pblk] + pj
+            ends[r] += sizes[b]
+    R, L = max(r for r, _ in place) + 1, max(sizes)
     input_ids = torch.zeros((R, L), dtype=torch.long)
     position_ids = torch.zeros((R, L), dtype=torch.long)
-    segment = torch.full((R, L), -1, dtype=torch.long)  # -1 padding, else as `stride` says
-    input_ids[prow, pcol], position_ids[prow, pcol], segment[prow, pcol] = (
-        batch.input_ids[first[pblk], pj], pj, pblk * stride)
-    input_ids[src_row, col], position_ids[src_row, col], segment[src_row, col] = (
-        target, P + j, member[smp] + 1)
-    q, k = segment[:, :, None], segment[:, None, :]
-    pos = torch.arange(L)
-    causal = pos[None, :, None] >= pos[None, None, :]
-    prompt_of_q = q - q % stride  # the segment of the query's block prompt
-    mask = causal & (k != -1) & ((k == prompt_of_q) | (k == q)) & (q != -1)
-    mask |= torch.eye(L, dtype=torch.bool)[None]  # padding attends to itself: no empty row
-    return Packed(input_ids, position_ids, mask[:, None], src_row, src_pos, target, dst_row,
-                  dst_col)
+    mask = torch.eye(L, dtype=torch.bool).repeat(R, 1, 1)  # padding attends to itself
+    for blk, (r, o) in zip(blocks, place):
+        n = len(blk.tokens)
+        input_ids[r, o:o + n] = torch.tensor(blk.tokens)
+        position_ids[r, o:o + n] = torch.tensor(blk.depth)
+        mask[r, o:o + n, o:o + n] = blk.mask()
+
+    # Response targets in the order block, sample, token: a node shared by several samples
+    # predicts a token of each, and its gradient sums them in this order.
+    src_row, src_pos, target, dst_row, dst_col = [], [], [], [], []
+    for b, blk in enumerate(blocks):
+        r, o = place[b]
+        for i in blk.samples:  # sequence position j is predicted from the node of j - 1
+            p, n = plen[i], att[i]
+            src_row += [r] * (n - p)
+            src_pos += [o + x for x in nodes[i][p - 1:n - 1]]
+            target += ids[i][p:n]
+            dst_row += [i] * (n - p)
+            dst_col += range(p - 1, n - 1)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return Packed(input_ids, position_ids, mask[:, None], t(src_row), t(src_pos), t(target),
+                  t(dst_row), t(dst_col))
 
 
 def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: bool = False):

@@ -325,6 +325,8 @@ class Trainer:
         if cfg.overlong_filter:  # DAPO: a response cut at the length budget leaves the loss
             kept = [s.status != Status.TRUNCATED for s in samples]
             mask = self._drop(mask, torch.tensor(kept).float()[:, None], "overlong", m)
+        if cfg.chosen_tokens == "mask":
+            mask = self._drop(mask, 1 - chosen_positions(samples, mask.shape), "chosen", m)
         anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
         sample_w = torch.tensor([s.weight for s in samples], dtype=weights.dtype)
         if (sample_w != 1).any():  # a sample kept with probability q counts 1/q times (DUET)
@@ -509,6 +511,15 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def chosen_positions(samples: list[Sample], shape) -> torch.Tensor:
+    """(B, T-1) float, 1 at the target column of every chosen (not sampled) response token."""
+    out = torch.zeros(shape)
+    for i, s in enumerate(samples):
+        if s.chosen:
+            out[i, torch.tensor(s.chosen) + len(s.prompt_ids) - 1] = 1.0
+    return out
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:

@@ -7,6 +7,8 @@ The rollout driver (rollwise.stages.generate.rollout) shows the controller every
     Decision("pause", "why")                    stop this sequence, keep it for a later step
     Decision("abort", "why")                    stop it for good (it is trained as it stands)
     Decision("fork", "why", n=2)                two children sharing its prefix join its group
+    Decision("fork", "why", n=1, tokens=(t,))   a child whose latest token is t instead (chosen,
+                                                not sampled: Sample.chosen records it)
     Decision("pause", "why", everyone=True)     end the round: every unfinished sequence pauses
 
 Each decision other than continue is counted in the ledger as control/<action>/<reason>.
@@ -43,12 +45,16 @@ class Decision:
     reason: str = ""
     n: int = 0  # children, for fork
     everyone: bool = False  # pause/abort: every unfinished sequence, ending the round
+    tokens: tuple[int, ...] | None = None  # fork: each child's replacement for the latest token
 
     def __post_init__(self):
         if self.action not in ACTIONS:
             raise ValueError(f"in-flight decision {self.action!r}: one of {', '.join(ACTIONS)}")
         if self.action == "fork" and (self.n < 1 or self.everyone):
             raise ValueError("a fork decision needs n >= 1 children and applies to one sequence")
+        if self.tokens is not None and (self.action != "fork" or len(self.tokens) != self.n):
+            raise ValueError(f"Decision(tokens=...) names each fork child's token: give n = "
+                             f"{self.n} of them, on a fork decision")
         if self.action != "continue" and not self.reason:
             raise ValueError(f"a {self.action} decision needs a reason (the ledger counts it)")
 

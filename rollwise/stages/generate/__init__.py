@@ -4,7 +4,8 @@ A `Generator` turns the prompts Control selected (each Problem's `prompt_ids` ma
 `group_size` set when Control sizes groups per prompt) into groups of samples, through the rollout
 driver (rollout.py), which feeds engine events into samples and applies the in-flight
 controller's decisions. `generate.strategy` picks one by name (rollwise.registry): group
-(i.i.d. samples, group.py), or 'package.module:factory' called as factory(cfg, tokenizer).
+(i.i.d. samples, group.py), latr and echo (tree rollouts, latr.py and echo.py), or
+'package.module:factory' called as factory(cfg, tokenizer).
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
     problems = prompter.render(control.select(fresh, step, ledger))
     if hasattr(control, "sized"):  # per-prompt group sizes (a bare test double may lack it)
         problems = control.sized(problems, step, ledger)
+    saved = getattr(engine, "prefix_tokens_saved", 0)
     generator.generate(rollout, problems, step)
     rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
+    if getattr(engine, "prefix_tokens_saved", 0) > saved:  # tree forks that copied K/V
+        ledger.tokens_to("prefix_saved", engine.prefix_tokens_saved - saved)
     groups = control.inflight.end(rollout, n)
     unfinished = [s.uid for g in groups for s in g.samples if not s.finished]
     if unfinished:  # a plugin's bug: a paused sample must never be scored or trained on

@@ -38,15 +38,65 @@ class Rollout:
         self._stop: Decision | None = None  # an `everyone` decision ends the round
 
     # ---- what generators call ------------------------------------------------------------------
-    def add(self, group: Group) -> None:
-        """Queue every unfinished sample of the group (from where it stands)."""
+    def add(self, group: Group, params: SamplingParams | None = None) -> None:
+        """Queue every unfinished sample of the group (from where it stands), with `params`
+        (default: the round's)."""
         self.groups.append(group)
         todo = [s for s in group.samples if not s.finished]
         self._pending[id(group)] = len(todo)
         if not todo:
             self.completed.append(group)
         for s in todo:
-            self._submit(group, s)
+            self._submit(group, s, params)
+
+    def extend(self, group: Group, samples: list[Sample],
+               params: SamplingParams | None = None) -> None:
+        """Add new samples to a group of this round and queue them (a tree filling its group
+        with i.i.d. samples). A group already complete is reopened."""
+        if not samples:
+            return
+        group.samples += samples
+        if self._pending[id(group)] == 0:
+            self.completed.remove(group)
+        self._pending[id(group)] += len(samples)
+        for s in samples:
+            self._submit(group, s, params)
+
+    def fork(self, sample: Sample, n: int, reason: str,
+             tokens: list[int] | None = None) -> list[Sample]:
+        """n children of a live sample, sharing its prefix, added to its group; with `tokens`,
+        each child's latest token is replaced by its own (chosen, not sampled). Returns the
+        children (a tree registers them). Call it from the sample's event hook."""
+        seq_id = self._seq_of(sample)
+        if seq_id is None:
+            raise ValueError(f"sample {sample.uid} is not live in this round")
+        d = Decision("fork", reason, n=n, tokens=None if tokens is None else tuple(tokens))
+        self.ledger.decide("generate", "fork", reason)
+        return self._fork(seq_id, d)
+
+    def discard(self, sample: Sample, reason: str) -> None:
+        """Stop a live sample and take it out of its group (a pruned tree branch): its
+        tokens are counted as pruned/<reason>, never trained."""
+        seq_id = self._seq_of(sample)
+        if seq_id is None:
+            raise ValueError(f"sample {sample.uid} is not live in this round; discard it "
+                             f"from its event hook")
+        group = self._owner[seq_id][0]
+        self._apply(seq_id, Decision("abort", reason), count=False)
+        group.samples.remove(sample)
+        self.ledger.decide("generate", "prune", reason)
+        self.ledger.tokens_to(f"pruned/{reason}", sample.num_tokens)
+
+    def switch_params(self, sample: Sample, params: SamplingParams) -> None:
+        """Continue a live sample under other sampling settings (LATR's stochastic tail after
+        its greedy tree phase), with no re-prefill: the engine forks it once with `params` and
+        drops the original. Call it from the sample's event hook (no token unreported)."""
+        seq_id = self._seq_of(sample)
+        if seq_id is None:
+            raise ValueError(f"sample {sample.uid} is not live in this round")
+        child, = self.engine.fork(seq_id, 1, params=params)
+        self._owner[child] = self._owner.pop(seq_id)
+        self.engine.abort(seq_id)
 
     def run(self, on_event: EventHook | None = None) -> None:
         """Step the engine until every request ended or a decision ended the round; then the
@@ -64,13 +114,13 @@ class Rollout:
     def decide_for(self, sample: Sample, decision: Decision) -> None:
         """Apply a decision to another live sample of the round (a controller that decides for
         a whole group at once: ARRoL's pruning); a sample no longer live is left alone."""
-        seq_id = next((k for k, (_, s, _) in self._owner.items() if s is sample), None)
+        seq_id = self._seq_of(sample)
         if seq_id is not None and decision.action != "continue":
             self._apply(seq_id, decision)
 
     # ---- the driver --------------------------------------------------------------------------
-    def _submit(self, group: Group, s: Sample) -> None:
-        params = self.params
+    def _submit(self, group: Group, s: Sample, params: SamplingParams | None = None) -> None:
+        params = params or self.params
         if s.num_tokens:  # resumed: only what is left of the budget
             s.meta["resumed"] = s.meta.get("resumed", 0) + 1
             params = dataclasses.replace(params,
@@ -88,23 +138,25 @@ class Rollout:
             s.status = FINISH[ev.finish_reason]
             self._finished(ev.seq_id)
         decision = (on_event(ev, s, self) if on_event else None) or CONTINUE
+        seq_id = ev.seq_id if ev.seq_id in self._owner or ev.finished else self._seq_of(s)
+        if seq_id is None:
+            return  # the hook discarded it
         if decision.action == "continue":
             decision = self.controller.on_event(ev, s, self)
         if decision.everyone:
             self._stop = self._stop or decision
         elif decision.action != "continue" and not ev.finished:
-            self._apply(ev.seq_id, decision)
+            self._apply(seq_id, decision)
+
+    def _seq_of(self, sample: Sample) -> int | None:
+        return next((k for k, (_, s, _) in self._owner.items() if s is sample), None)
 
     def _apply(self, seq_id: int, d: Decision, count: bool = True) -> None:
         group, s, base = self._owner[seq_id]
         if count:
             self.ledger.decide("control", d.action, d.reason)
         if d.action == "fork":
-            for child_id in self.engine.fork(seq_id, d.n):
-                child = s.fork()
-                group.samples.append(child)
-                self._pending[id(group)] += 1
-                self._owner[child_id] = (group, child, base)
+            self._fork(seq_id, d)
             return
         c: Completion = self.engine.pause(seq_id) if d.action == "pause" \
             else self.engine.abort(seq_id)
@@ -116,8 +168,35 @@ class Rollout:
         else:
             del self._owner[seq_id]
 
+    def _fork(self, seq_id: int, d: Decision) -> list[Sample]:
+        group, s, base = self._owner[seq_id]
+        tokens = list(d.tokens) if d.tokens is not None else None
+        children = []
+        for child_id in self.engine.fork(seq_id, d.n, last_tokens=tokens):
+            child = s.fork()
+            if tokens is not None:  # the engine's next event brings the chosen token
+                child_forgets_last_token(child)
+                child.chosen.append(child.num_tokens)
+            group.samples.append(child)
+            self._pending[id(group)] += 1
+            self._owner[child_id] = (group, child, base)
+            children.append(child)
+        return children
+
     def _finished(self, seq_id: int) -> None:
         group, _, _ = self._owner.pop(seq_id)
         self._pending[id(group)] -= 1
         if self._pending[id(group)] == 0:
             self.completed.append(group)
+
+
+def child_forgets_last_token(child: Sample) -> None:
+    """A child branching on another token: drop the inherited latest token (the engine reports
+    the replacement, with its log-probability, in the child's next event)."""
+    n = child.num_tokens - 1
+    for name in ("response_ids", "logprobs", "versions", "loss_mask", "entropies"):
+        col = getattr(child, name)
+        if len(col) > n:
+            del col[n:]
+    child.chosen = [i for i in child.chosen if i < n]
+    child.branch_point = n
