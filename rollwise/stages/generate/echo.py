@@ -9,6 +9,9 @@ sampled: Sample.chosen). Children may branch again later. While the group is sho
 the tree grows; a sequence whose confidence collapses (the three prune rules) is cut and
 dropped, its tokens counted as pruned. Once no tree sequence is left generating, the group is
 filled to its size with i.i.d. samples.
+
+A tree's state lasts one round: a branch an in-flight controller pauses (APRIL) resumes next
+round as a plain sampled sequence, and its group keeps the branches it had.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ The tree phase ends when the branch count reaches the exit count and every branc
 than max(ages), or at `force_exit`; each branch then continues by sampling at the round's
 settings (no re-prefill), and a tree short of its share is filled with i.i.d. samples. Greedy
 tree tokens are marked chosen too; train.chosen_tokens decides how the loss treats them.
+
+A tree's state lasts one round: a branch an in-flight controller pauses (APRIL) resumes next
+round as a plain sampled sequence, and its group keeps the branches it had.
 """
 
 from __future__ import annotations
