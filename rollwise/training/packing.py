@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from rollwise.types import Batch
+from rollwise.types import Batch, concat_ranges
 
 
 @dataclass
@@ -57,51 +58,57 @@ class _Block:
         self.tokens: list[int] = []  # per node: its token,
         self.depth: list[int] = []  # its position in the sequence (the position id),
         self.seg: list[int] = []  # its segment (the new nodes of one insert),
-        self.kids: list[dict[int, int]] = [{}]  # node + 1 -> {token: child node}; [0]: root
+        self.kids: dict[int, dict[int, int]] = {}  # node -> {token: child} (root: -1), for
+        # children other than the next node of the node's own segment (a chain needs none)
         self.segments: list[tuple[int, int]] = []  # (first node, the node it hangs from or -1)
         self.samples: list[int] = []
 
-    def shared(self, seq: list[int]) -> int:
-        """How many leading tokens of seq the trie holds already."""
-        node, m = 0, 0
-        for t in seq:
-            nxt = self.kids[node].get(t)
+    def _child(self, node: int, token: int) -> int | None:
+        nxt = node + 1
+        if node >= 0 and nxt < len(self.tokens) and self.seg[nxt] == self.seg[node] and \
+                self.tokens[nxt] == token:
+            return nxt
+        return self.kids.get(node, {}).get(token)
+
+    def walk(self, seq: list[int], prompt_len: int) -> list[int]:
+        """The nodes of the longest leading part of seq the trie holds already. The block's
+        first sample put its prompt, which every sample of the block shares, at nodes
+        0..prompt_len-1."""
+        nodes = list(range(prompt_len))
+        node = prompt_len - 1
+        for t in seq[prompt_len:]:
+            nxt = self._child(node, t)
             if nxt is None:
                 break
-            node, m = nxt + 1, m + 1
-        return m
-
-    def insert(self, seq: list[int]) -> list[int]:
-        """The node of each token of seq, adding the ones not there yet (one new segment)."""
-        nodes, node, new_seg = [], 0, None
-        for d, t in enumerate(seq):
-            nxt = self.kids[node].get(t)
-            if nxt is None:
-                if new_seg is None:
-                    new_seg = len(self.segments)
-                    self.segments.append((len(self.tokens), node - 1))
-                nxt = self.kids[node][t] = len(self.tokens)
-                self.tokens.append(t)
-                self.depth.append(d)
-                self.seg.append(new_seg)
-                self.kids.append({})
             nodes.append(nxt)
-            node = nxt + 1
+            node = nxt
         return nodes
 
-    def mask(self) -> torch.Tensor:
-        """(n, n) bool: a node attends to itself and its ancestors, nothing else."""
-        n = len(self.tokens)
-        seg = torch.tensor(self.seg, dtype=torch.long)
-        base = torch.zeros((len(self.segments), n), dtype=torch.bool)  # ancestors above a segment
-        for s, (_, hang) in enumerate(self.segments):
-            if hang >= 0:
+    def insert(self, seq: list[int], shared: list[int]) -> list[int]:
+        """The node of each token of seq: `shared` (walk's answer) and the rest of seq added
+        as one new segment, a chain hanging from the last shared node."""
+        m, start, k = len(shared), len(self.tokens), len(seq) - len(shared)
+        if k == 0:
+            return shared
+        hang = shared[-1] if shared else -1
+        self.segments.append((start, hang))
+        self.kids.setdefault(hang, {})[seq[m]] = start
+        self.tokens += seq[m:]
+        self.depth += range(m, len(seq))
+        self.seg += [len(self.segments) - 1] * k
+        return shared + list(range(start, start + k))
+
+    def ancestry(self) -> list[list[tuple[int, int]]]:
+        """Per segment, the node ranges [lo, hi] above it: its hanging node's ancestors (the
+        root-to-hang path, a few ranges of earlier segments)."""
+        spans: list[list[tuple[int, int]]] = []
+        for _, hang in self.segments:
+            if hang < 0:
+                spans.append([])
+            else:
                 up = self.seg[hang]
-                base[s] = base[up]
-                base[s, self.segments[up][0]:hang + 1] = True
-        idx = torch.arange(n)
-        own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-        return base[seg] | own
+                spans.append(spans[up] + [(self.segments[up][0], hang)])
+        return spans
 
 
 def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed:
@@ -117,52 +124,80 @@ def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed
     ids = batch.input_ids.tolist()
     blocks: list[_Block] = []
     nodes: list[list[int]] = [[] for _ in ids]  # per sample: the node of each of its tokens
-    block_of = [0] * len(ids)
     open_block: dict[tuple[int, ...], int] = {}
     for i, (n, p) in enumerate(zip(att, plen)):
         seq = ids[i][:n]
         b = open_block.get(tuple(seq[:p]))
-        if b is None or (len(blocks[b].tokens) + n - blocks[b].shared(seq) > max_row_tokens):
+        shared = blocks[b].walk(seq, p) if b is not None else []
+        if b is None or len(blocks[b].tokens) + n - len(shared) > max_row_tokens:
             b = open_block[tuple(seq[:p])] = len(blocks)
             blocks.append(_Block())
-        nodes[i], block_of[i] = blocks[b].insert(seq), b
+            shared = []
+        nodes[i] = blocks[b].insert(seq, shared)
         blocks[b].samples.append(i)
 
     sizes = [len(b.tokens) for b in blocks]
     place = [(b, 0) for b in range(len(blocks))]  # block -> (row, offset in the row)
     if fill:
         ends: list[int] = []
+        longest = max(sizes)
         for b in sorted(range(len(blocks)), key=lambda b: -sizes[b]):
-            r = next((r for r, e in enumerate(ends) if e + sizes[b] <= max(sizes)), len(ends))
+            r = next((r for r, e in enumerate(ends) if e + sizes[b] <= longest), len(ends))
             if r == len(ends):
                 ends.append(0)
             place[b] = (r, ends[r])
             ends[r] += sizes[b]
     R, L = max(r for r, _ in place) + 1, max(sizes)
-    input_ids = torch.zeros((R, L), dtype=torch.long)
-    position_ids = torch.zeros((R, L), dtype=torch.long)
-    mask = torch.eye(L, dtype=torch.bool).repeat(R, 1, 1)  # padding attends to itself
+    rows, cols, toks, pos, segs, starts, spans = [], [], [], [], [], [], []  # per node, range
+    first_seg = 0  # segments numbered across blocks
     for blk, (r, o) in zip(blocks, place):
         n = len(blk.tokens)
-        input_ids[r, o:o + n] = torch.tensor(blk.tokens)
-        position_ids[r, o:o + n] = torch.tensor(blk.depth)
-        mask[r, o:o + n, o:o + n] = blk.mask()
+        rows += [r] * n
+        cols += range(o, o + n)
+        toks += blk.tokens
+        pos += blk.depth
+        segs += [first_seg + x for x in blk.seg]
+        starts += [o + blk.segments[x][0] for x in blk.seg]
+        for s, ranges in enumerate(blk.ancestry()):
+            spans += [(first_seg + s, o + lo, o + hi) for lo, hi in ranges]
+        first_seg += len(blk.segments)
+    at = (_long(rows), _long(cols))
+    input_ids = torch.zeros((R, L), dtype=torch.long).index_put(at, _long(toks))
+    position_ids = torch.zeros((R, L), dtype=torch.long).index_put(at, _long(pos))
+    seg = torch.full((R, L), first_seg, dtype=torch.long).index_put(at, _long(segs))
+    start = torch.full((R, L), L, dtype=torch.long).index_put(at, _long(starts))
+    # above[s]: the row columns segment s sees above its own nodes; padding (s = first_seg)
+    # sees nothing
+    above = torch.zeros((first_seg + 1, L), dtype=torch.int16)
+    if spans:
+        sp = torch.tensor(spans)
+        col = torch.arange(L)
+        inside = (col >= sp[:, 1:2]) & (col <= sp[:, 2:3])
+        above.index_add_(0, sp[:, 0], inside.to(torch.int16))
+    causal = torch.ones((L, L), dtype=torch.bool).tril()
+    own = (torch.arange(L) >= start[:, :, None]) & causal  # its segment's nodes up to itself
+    mask = (above > 0)[seg] | own | torch.eye(L, dtype=torch.bool)  # padding sees itself
 
     # Response targets in the order block, sample, token: a node shared by several samples
     # predicts a token of each, and its gradient sums them in this order.
-    src_row, src_pos, target, dst_row, dst_col = [], [], [], [], []
-    for b, blk in enumerate(blocks):
-        r, o = place[b]
-        for i in blk.samples:  # sequence position j is predicted from the node of j - 1
-            p, n = plen[i], att[i]
-            src_row += [r] * (n - p)
-            src_pos += [o + x for x in nodes[i][p - 1:n - 1]]
-            target += ids[i][p:n]
-            dst_row += [i] * (n - p)
-            dst_col += range(p - 1, n - 1)
-    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Packed(input_ids, position_ids, mask[:, None], t(src_row), t(src_pos), t(target),
-                  t(dst_row), t(dst_col))
+    order = torch.tensor([i for blk in blocks for i in blk.samples])
+    src_pos = []  # sequence position j is predicted from the node of position j - 1
+    for blk, (_, o) in zip(blocks, place):
+        for i in blk.samples:
+            src_pos += [o + x for x in nodes[i][plen[i] - 1:att[i] - 1]]
+    n_resp = (batch.attention_mask.sum(1) - batch.prompt_lens)[order]
+    dst_row = order.repeat_interleave(n_resp)
+    dst_col = batch.prompt_lens[dst_row] - 1 + concat_ranges(n_resp)
+    sample_row = torch.tensor([r for blk, (r, _) in zip(blocks, place) for _ in blk.samples])
+    return Packed(input_ids, position_ids, mask[:, None], sample_row.repeat_interleave(n_resp),
+                  _long(src_pos), batch.input_ids[dst_row, dst_col + 1],
+                  dst_row, dst_col)
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    """A long tensor from a Python list, through numpy (several times faster than
+    torch.tensor on lists of thousands)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
 def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: bool = False):

@@ -88,7 +88,7 @@ class EchoGenerator:
         if not alternatives:
             return
         for child in rollout.fork(s, len(alternatives), "echo_branch", tokens=alternatives):
-            tree.traces[child.uid] = _without_last(trace)  # its next event brings token t
+            tree.traces[child.uid] = trace.head(t)  # its next event brings token t
             tree.live.add(child.uid)
 
     def _fill(self, tree: _Tree, rollout: Rollout) -> None:
@@ -103,9 +103,3 @@ class EchoGenerator:
                 f.meta["tree_fill"] = True
             rollout.extend(tree.group, fresh)
 
-
-def _without_last(trace: EchoTrace) -> EchoTrace:
-    out = trace.copy()
-    for col in (out.H, out.C, out.Cg, out.Ctail, out.dH):
-        del col[-1:]
-    return out

@@ -70,9 +70,9 @@ class LatrGenerator:
         tree = self._trees.get(s.root_uid or s.uid)
         if tree is None or s.uid not in tree.members:
             return None  # an i.i.d. sample, or one carried from an earlier round
-        if s.uid not in tree.switched:
-            first = s.num_tokens - len(ev.token_ids)
-            s.chosen += [i for i in range(first, s.num_tokens) if i not in s.chosen]
+        if s.uid not in tree.switched:  # greedy: chosen, not sampled (a child's branch token
+            # is marked already)
+            s.chosen += range(s.chosen[-1] + 1 if s.chosen else 0, s.num_tokens)
         if ev.finished:
             tree.live.discard(s.uid)
         self._lookahead(tree, rollout)
@@ -118,13 +118,8 @@ class LatrGenerator:
             if latr_too_similar(child.response_ids[b:b + r], parent.response_ids[b:b + r],
                                 self.cfg.similarity):
                 del tree.members[child.uid]
-                if child.uid in tree.live:
-                    tree.live.discard(child.uid)
-                    rollout.discard(child, "latr_similar")
-                else:
-                    tree.group.samples.remove(child)
-                    rollout.ledger.decide("generate", "prune", "latr_similar")
-                    rollout.ledger.tokens_to("pruned/latr_similar", child.num_tokens)
+                tree.live.discard(child.uid)
+                rollout.discard(child, "latr_similar")
         tree.checks = keep
 
     def _maybe_exit(self, tree: _Tree, t: int, rollout: Rollout) -> None:

@@ -75,14 +75,17 @@ class Rollout:
         return self._fork(seq_id, d)
 
     def discard(self, sample: Sample, reason: str) -> None:
-        """Stop a live sample and take it out of its group (a pruned tree branch): its
-        tokens are counted as pruned/<reason>, never trained."""
+        """Take a sample of this round out of its group (a pruned tree branch), stopping it
+        first if it is still generating: its tokens are counted as pruned/<reason>, never
+        trained."""
         seq_id = self._seq_of(sample)
-        if seq_id is None:
-            raise ValueError(f"sample {sample.uid} is not live in this round; discard it "
-                             f"from its event hook")
-        group = self._owner[seq_id][0]
-        self._apply(seq_id, Decision("abort", reason), count=False)
+        if seq_id is not None:
+            group = self._owner[seq_id][0]
+            self._apply(seq_id, Decision("abort", reason), count=False)
+        else:
+            group = next((g for g in self.groups if any(x is sample for x in g.samples)), None)
+            if group is None:
+                raise ValueError(f"sample {sample.uid} is not in a group of this round")
         group.samples.remove(sample)
         self.ledger.decide("generate", "prune", reason)
         self.ledger.tokens_to(f"pruned/{reason}", sample.num_tokens)

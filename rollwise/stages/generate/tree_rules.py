@@ -28,8 +28,9 @@ class EchoTrace:
     Ctail: list[float] = field(default_factory=list)
     dH: list[float] = field(default_factory=list)
 
-    def copy(self) -> "EchoTrace":
-        return EchoTrace(*(list(x) for x in (self.H, self.C, self.Cg, self.Ctail, self.dH)))
+    def head(self, n: int) -> "EchoTrace":
+        """A copy of the statistics of the first n tokens."""
+        return EchoTrace(*(x[:n] for x in (self.H, self.C, self.Cg, self.Ctail, self.dH)))
 
 
 def topk_entropy(logprobs: list[float]) -> float:
