@@ -441,7 +441,15 @@ class TrainConfig(Section):
     advantage_clip: float | None = Field(None, gt=0)
     """Cap |advantage| (MC-GRPO gives |A| = 1000 when a group's MAD is 0); None: no cap."""
     token_shaping: TrainTokenShapingName = "none"
-    """Per-token advantage hook: a registered name or 'package.module:function'."""
+    """Per-token advantage hook: 'none', 'echo' (ECHO's entropy-confidence scaling,
+    A_t = A (1 + 0.1 S_t): rollwise/training/confidence.py), or 'package.module:function'
+    called as fn(token_advantages (B, T-1), batch). A hook with `needs_policy_stats = True`
+    finds the pre-update policy's entropy and top-5 confidence in batch.policy_entropy and
+    batch.policy_confidence (one more no-grad pass)."""
+    adaptive_clip: Literal["none", "echo"] = "none"
+    """'echo': ECHO's confidence-adaptive clip, one eps per sequence on both sides,
+    0.05 + 0.15 sigmoid(4 (1 - c_tail)) with c_tail its last 16 tokens' mean top-5
+    probability under the pre-update policy; it replaces clip_low and clip_high."""
     loss: TrainLossName = "ppo_clip"
     """Policy loss (rollwise.training.losses): ppo_clip, dual_clip, gspo (wants clip_low/high near
     3e-4/4e-4), or 'package.module:function'."""

@@ -24,7 +24,8 @@ BUILTIN: dict[str, dict[str, str]] = {
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
         ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
-    "token_shaping": {"none": "rollwise.training.advantages:no_shaping"},
+    "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
+                      "echo": "rollwise.training.confidence:echo_shaping"},
     # fn(logprobs, old_logprobs, advantages, mask, LossParams) -> (per-token loss, metrics)
     "policy_loss": {n: "rollwise.training.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo")},
     # fn(token_loss, mask, num_tokens=, num_seqs=, norm_length=) -> scalar

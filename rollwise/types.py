@@ -165,6 +165,10 @@ class Batch:
     group_index: torch.Tensor  # (B,) long
     entropies: torch.Tensor | None = None  # (B, T-1) engine entropy per response target
     prompt_lens: torch.Tensor | None = None  # (B,) long; lets the trainer pack shared prompts
+    # the policy before the update, per response target, where a token shaping or clip asks
+    # for them (Trainer.prepare): full-vocabulary entropy and mean top-5 probability (ECHO)
+    policy_entropy: torch.Tensor | None = None  # (B, T-1)
+    policy_confidence: torch.Tensor | None = None  # (B, T-1)
 
     @property
     def size(self) -> int:
@@ -210,11 +214,13 @@ class Batch:
     def select(self, idx: torch.Tensor) -> "Batch":
         """Rows idx, trimmed to the longest remaining sequence."""
         T = int(self.attention_mask[idx].sum(1).max())
+        cut = lambda x: None if x is None else x[idx, :T - 1]  # noqa: E731
         return Batch(self.input_ids[idx, :T], self.attention_mask[idx, :T],
                      self.loss_mask[idx, :T - 1], self.behaviour_logprobs[idx, :T - 1],
                      self.versions[idx, :T - 1], self.advantages[idx], self.group_index[idx],
-                     None if self.entropies is None else self.entropies[idx, :T - 1],
-                     None if self.prompt_lens is None else self.prompt_lens[idx])
+                     cut(self.entropies), None if self.prompt_lens is None else
+                     self.prompt_lens[idx], cut(self.policy_entropy),
+                     cut(self.policy_confidence))
 
 
 def concat_ranges(n: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ to the loss and its gradient, so the trainer may skip rows made only of such tok
 
 @dataclass(frozen=True)
 class LossParams:
-    clip_low: float = 0.2  # ratio floor 1 - clip_low
-    clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO clip-higher: 0.28)
+    clip_low: float | torch.Tensor = 0.2  # ratio floor 1 - clip_low; a (B, 1) tensor: per row
+    clip_high: float | torch.Tensor = 0.2  # ratio ceiling 1 + clip_high (DAPO clip-higher: 0.28)
     dual_clip_c: float = 3.0  # dual-clip bound on negative-advantage tokens, c > 1
 
 

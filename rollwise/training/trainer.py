@@ -22,6 +22,7 @@ import torch
 from rollwise.config import TrainConfig
 from rollwise.training import correction as corr
 from rollwise.training.advantages import AdvantageInputs, compute_advantages, get_token_shaping
+from rollwise.training.confidence import echo_clip, policy_token_stats
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.training.precision import MasterWeights
 from rollwise.training.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
@@ -71,6 +72,7 @@ class Prepared:
     # sequences and tokens of the step's dropped groups that count in the loss's denominators
     # (train.loss_denominator = generated), spread over the minibatches by their share of rows
     absent: tuple[float, float] = (0.0, 0.0)
+    clip: torch.Tensor | None = None  # (B, 1) per-sequence clip eps (train.adaptive_clip)
 
     def rows(self, idx: torch.Tensor, T: int) -> dict[str, torch.Tensor | None]:
         cut = lambda x: None if x is None else x[idx][:, :T]  # noqa: E731
@@ -332,11 +334,27 @@ class Trainer:
         if (sample_w != 1).any():  # a sample kept with probability q counts 1/q times (DUET)
             weights = weights * sample_w[:, None]
             m["sample_weight_max"] = float(sample_w.max())
+        clip = self._policy_stats(batch, m)
         token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
         return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm,
-                        first_pass), m
+                        first_pass, clip=clip), m
+
+    def _policy_stats(self, batch: Batch, m: dict[str, float]) -> torch.Tensor | None:
+        """The pre-update policy's entropy and top-5 confidence on the batch, where the token
+        shaping or the clip reads them; returns the per-sequence clip eps, or None."""
+        wanted = getattr(self.shaping, "needs_policy_stats", False)
+        if not wanted and self.cfg.adaptive_clip == "none":
+            return None
+        batch.policy_entropy, batch.policy_confidence = policy_token_stats(
+            self.model, batch, self.cfg.micro_batch_size)
+        m["policy_confidence"] = float(masked_mean(batch.policy_confidence, batch.loss_mask))
+        if self.cfg.adaptive_clip == "none":
+            return None
+        clip = echo_clip(batch.policy_confidence, batch.loss_mask)
+        m["clip_eps_mean"] = float(clip.mean())
+        return clip
 
     def _correct(self, batch: Batch, prox, version_logp, known, mask, m):
         """Staleness limit, anchor choice and TIS/MIS weights -> (anchor, weights, mask),
@@ -489,7 +507,9 @@ class Trainer:
         c = prep.rows(micro, mb.loss_mask.shape[1])
         mask = c["mask"]
         logp, ent = taken or self.logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
-        token_loss, m = self.loss_fn(logp, c["anchor"], c["adv"], mask, self.loss_params)
+        p = self.loss_params if prep.clip is None else \
+            LossParams(prep.clip[micro], prep.clip[micro], cfg.dual_clip_c)
+        token_loss, m = self.loss_fn(logp, c["anchor"], c["adv"], mask, p)
         token_loss = token_loss * c["weights"]
         if cfg.entropy_coef > 0:
             token_loss = token_loss - cfg.entropy_coef * ent
