@@ -70,3 +70,17 @@ def test_bench_trees_runs_every_arm_within_one_budget_and_trees_branch(tmp_path,
         assert acc is None or 0 <= acc <= 1
     for k in ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_pass1_delta"):
         assert isinstance(out[k], float)
+
+
+def test_a_failing_run_is_reported_and_loses_no_other_run(tmp_path, monkeypatch):
+    def fake(job):
+        if job[2] == "bad":
+            raise RuntimeError("engine fell over")
+        return {"part": job[1], "arm": job[2], "seed": job[3]}
+    monkeypatch.setattr(trees, "_run", fake)
+    jobs = [([], "latr", arm, 0) for arm in ("iid", "bad", "latr")]
+    runs, failed = trees.execute(jobs, 1, tmp_path / "runs.jsonl")
+    assert [r["arm"] for r in runs] == ["iid", "latr"]
+    assert len(failed) == 1 and "engine fell over" in failed[0]["error"]
+    logged = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in logged] == ["iid", "bad", "latr"]

@@ -105,6 +105,42 @@ def _run(job: tuple) -> dict:
     return r
 
 
+def _guarded(job: tuple) -> dict:
+    """_run, with a failure returned (its traceback) instead of raised: one failing run must
+    not lose the others."""
+    try:
+        return _run(job)
+    except Exception:
+        import traceback
+        part, arm, seed = job[1:4]
+        err = traceback.format_exc()
+        print(f"{part}/{arm} seed {seed} FAILED:\n{err}", file=sys.stderr, flush=True)
+        return {"part": part, "arm": arm, "seed": seed, "error": err}
+
+
+def execute(jobs: list[tuple], n_jobs: int, log: Path) -> tuple[list[dict], list[dict]]:
+    """Every job, n_jobs side by side (one torch thread each); each result is appended to
+    `log` as it finishes. Returns (finished runs, failed runs)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    results = []
+
+    def keep(r: dict) -> None:
+        results.append(r)
+        with log.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+    if n_jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        with ProcessPoolExecutor(n_jobs, mp_context=mp.get_context("spawn")) as pool:
+            for f in as_completed([pool.submit(_guarded, j) for j in jobs]):
+                keep(f.result())
+    else:
+        for j in jobs:
+            keep(_guarded(j))
+    return [r for r in results if "error" not in r], [r for r in results if "error" in r]
+
+
 def summarize(runs: list[dict], seeds: list[int]) -> dict:
     by = {(r["part"], r["arm"]): [] for r in runs}
     for r in runs:
@@ -186,18 +222,13 @@ def main(argv: list[str]) -> int:
                 jobs.append((DEFAULTS + part_overrides[part] + arm_overrides + args.overrides
                              + threads, part, arm, seed, budget[part], args.eval_every,
                              args.gain, args.root, init))
-    if args.jobs > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            runs = list(pool.map(_run, jobs))
-    else:
-        runs = [_run(j) for j in jobs]
+    runs, failed = execute(jobs, args.jobs, Path(args.root) / "runs.jsonl")
     out = {"tokens": budget, "gain": args.gain, "seeds": args.seeds,
-           "overrides": args.overrides, **summarize(runs, args.seeds), "runs": runs}
+           "overrides": args.overrides, **summarize(runs, args.seeds), "runs": runs,
+           "failed": failed}
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return 1 if failed else 0
     print("| part/arm | tokens to target | steps to target | reached | final pass@1 | mixed share "
           "| distinct answers | forks | pruned | prefix saved | pseudo-label acc |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -211,7 +242,9 @@ def main(argv: list[str]) -> int:
               "echo_label_acc_delta"):
         if out.get(k) is not None:
             print(f"{k}: {out[k]:.3f}")
-    return 0
+    for r in failed:
+        print(f"FAILED: {r['part']}/{r['arm']} seed {r['seed']} (traceback above)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
