@@ -3,7 +3,10 @@ they saved, and the summary's ratios come from the runs."""
 
 import json
 
+import pytest
+
 from rollwise.bench import trees
+from rollwise.bench.jobs import execute
 from rollwise.types import Group, Sample
 
 
@@ -72,15 +75,20 @@ def test_bench_trees_runs_every_arm_within_one_budget_and_trees_branch(tmp_path,
         assert isinstance(out[k], float)
 
 
-def test_a_failing_run_is_reported_and_loses_no_other_run(tmp_path, monkeypatch):
-    def fake(job):
-        if job[2] == "bad":
-            raise RuntimeError("engine fell over")
-        return {"part": job[1], "arm": job[2], "seed": job[3]}
-    monkeypatch.setattr(trees, "_run", fake)
-    jobs = [([], "latr", arm, 0) for arm in ("iid", "bad", "latr")]
-    runs, failed = trees.execute(jobs, 1, tmp_path / "runs.jsonl")
-    assert [r["arm"] for r in runs] == ["iid", "latr"]
-    assert len(failed) == 1 and "engine fell over" in failed[0]["error"]
+
+def _maybe_fail(part, arm, seed):
+    if arm == "bad":
+        raise RuntimeError("engine fell over")
+    return {"part": part, "arm": arm, "seed": seed}
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_failing_run_is_reported_and_loses_no_other_run(tmp_path, n_jobs):
+    jobs = [("latr", arm, 0) for arm in ("iid", "bad", "latr")]
+    runs, failed = execute(_maybe_fail, jobs, n_jobs, tmp_path / "runs.jsonl",
+                           lambda j: {"part": j[0], "arm": j[1], "seed": j[2]})
+    assert sorted(r["arm"] for r in runs) == ["iid", "latr"]
+    assert len(failed) == 1 and failed[0]["arm"] == "bad"
+    assert "engine fell over" in failed[0]["error"]
     logged = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert [r["arm"] for r in logged] == ["iid", "bad", "latr"]
+    assert sorted(r["arm"] for r in logged) == ["bad", "iid", "latr"]

@@ -48,8 +48,8 @@ def test_policy_stats_match_one_unpadded_forward_per_sample():
     samples = [s for g in groups for s in g.samples]
     batch = Batch.from_samples(samples, [0.0] * len(samples), 0)
     naive = _naive_stats(model, samples)
-    for rows_per_pass in (0, 2):  # one padded pass, or passes of 2 rows
-        ent, conf = policy_token_stats(model, batch, rows_per_pass)
+    for chunks in (None, list(torch.arange(batch.size).split(2))):  # one pass, or 2 rows each
+        ent, conf = policy_token_stats(model, batch, chunks)
         for i, (s, (e, c)) in enumerate(zip(samples, naive)):
             at = batch.loss_mask[i] > 0
             assert torch.allclose(ent[i][at], torch.tensor(e), atol=1e-5)

@@ -25,7 +25,9 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
+from rollwise.bench.jobs import execute
 from rollwise.config import load_config
 
 # APRIL's long-tail task, with tails shortened (means 2 and 24 instead of 4 and 60) so that
@@ -83,8 +85,8 @@ def run_method(overrides: list[str], method: str, seed: int, tokens: int, eval_e
             "curve": curve, "head_auc": aucs}
 
 
-def _run(job: tuple) -> dict:
-    return run_method(*job)
+def _run(*job) -> dict:
+    return _report(run_method(*job))
 
 
 def _report(r: dict) -> dict:
@@ -148,20 +150,14 @@ def main(argv: list[str]) -> int:
     jobs = [(DEFAULTS + METHODS[m] + args.overrides + threads, m, seed, args.tokens,
              args.eval_every, args.target, args.root, init)
             for seed in args.seeds for m in args.methods]
-    runs = []
-    if args.jobs > 1:  # one torch thread per process, side by side
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            for r in pool.map(_run, jobs):
-                runs.append(_report(r))
-    else:
-        runs = [_report(_run(j)) for j in jobs]
+    runs, failed = execute(_run, jobs, args.jobs, Path(args.root) / "runs.jsonl",
+                           lambda j: {"method": j[1], "seed": j[2]})
     out = {"tokens": args.tokens, "target": args.target, "seeds": args.seeds,
-           **summarize(runs, args.seeds), "runs": runs}
+           **summarize(runs, args.seeds), "runs": runs,
+           "failed": failed}
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return 1 if failed else 0
     print("| method | tokens to target | s to target | final pass@1 | reached (seeds) |")
     print("|---|---|---|---|---|")
     for m, v in out["medians"].items():
@@ -171,7 +167,9 @@ def main(argv: list[str]) -> int:
     for k in ("arrol_speedup", "duet50_pass1_delta", "sgpo_compute_ratio"):
         if out.get(k) is not None:
             print(f"{k}: {out[k]:.3f}")
-    return 0
+    for r in failed:
+        print(f"FAILED: {r['method']} seed {r['seed']} (traceback above)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from rollwise.bench.jobs import execute
 from rollwise.config import load_config
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
@@ -96,49 +97,13 @@ def run_arm(overrides: list[str], part: str, arm: str, seed: int, tokens: int,
             "label_acc": statistics.mean(acc) if acc else None, "curve": curve}
 
 
-def _run(job: tuple) -> dict:
+def _run(*job) -> dict:
     r = run_arm(*job)
     print(f"{r['part']}/{r['arm']} seed {r['seed']}: {r['steps']} steps, {r['tokens']:.0f} "
           f"tokens, pass@1 {r['start_pass1']:.3f} -> {r['final_pass1']:.3f}, to target "
           f"{r['tokens_to_target']:.0f}{'' if r['reached'] else ' (not reached)'}, mixed "
           f"{r['mixed_share']:.3f}, forks {r['forks']:.0f}", file=sys.stderr, flush=True)
     return r
-
-
-def _guarded(job: tuple) -> dict:
-    """_run, with a failure returned (its traceback) instead of raised: one failing run must
-    not lose the others."""
-    try:
-        return _run(job)
-    except Exception:
-        import traceback
-        part, arm, seed = job[1:4]
-        err = traceback.format_exc()
-        print(f"{part}/{arm} seed {seed} FAILED:\n{err}", file=sys.stderr, flush=True)
-        return {"part": part, "arm": arm, "seed": seed, "error": err}
-
-
-def execute(jobs: list[tuple], n_jobs: int, log: Path) -> tuple[list[dict], list[dict]]:
-    """Every job, n_jobs side by side (one torch thread each); each result is appended to
-    `log` as it finishes. Returns (finished runs, failed runs)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
-    results = []
-
-    def keep(r: dict) -> None:
-        results.append(r)
-        with log.open("a") as f:
-            f.write(json.dumps(r) + "\n")
-    if n_jobs > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-        with ProcessPoolExecutor(n_jobs, mp_context=mp.get_context("spawn")) as pool:
-            for f in as_completed([pool.submit(_guarded, j) for j in jobs]):
-                keep(f.result())
-    else:
-        for j in jobs:
-            keep(_guarded(j))
-    return [r for r in results if "error" not in r], [r for r in results if "error" in r]
 
 
 def summarize(runs: list[dict], seeds: list[int]) -> dict:
@@ -222,7 +187,8 @@ def main(argv: list[str]) -> int:
                 jobs.append((DEFAULTS + part_overrides[part] + arm_overrides + args.overrides
                              + threads, part, arm, seed, budget[part], args.eval_every,
                              args.gain, args.root, init))
-    runs, failed = execute(jobs, args.jobs, Path(args.root) / "runs.jsonl")
+    runs, failed = execute(_run, jobs, args.jobs, Path(args.root) / "runs.jsonl",
+                           lambda j: {"part": j[1], "arm": j[2], "seed": j[3]})
     out = {"tokens": budget, "gain": args.gain, "seeds": args.seeds,
            "overrides": args.overrides, **summarize(runs, args.seeds), "runs": runs,
            "failed": failed}

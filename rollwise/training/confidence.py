@@ -24,14 +24,14 @@ CLIP_MIN, CLIP_MAX, CLIP_SHARPNESS, TAIL = 0.05, 0.2, 4.0, 16
 
 
 @torch.no_grad()
-def policy_token_stats(model, batch, rows_per_pass: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy, confidence) per (B, T-1) target column of batch under `model`, from padded
-    passes of rows_per_pass rows (0: one pass). Columns outside the sequences hold 0."""
+def policy_token_stats(model, batch, chunks: list[torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy, confidence) per (B, T-1) target column of batch under `model`, one padded
+    pass per chunk of rows (Trainer.token_chunks: the no-grad passes' token budget; None: one
+    pass). Columns outside the sequences hold 0."""
     W = batch.input_ids.shape[1] - 1
     ent, conf = torch.zeros(batch.size, W), torch.zeros(batch.size, W)
-    step = rows_per_pass or batch.size
-    for start in range(0, batch.size, step):
-        rows = torch.arange(start, min(start + step, batch.size))
+    for rows in chunks or [torch.arange(batch.size)]:
         ids, att = batch.input_ids[rows], batch.attention_mask[rows]
         T = int(att.sum(1).max())
         logits = model(input_ids=ids[:, :T].to(model.device),
@@ -60,9 +60,7 @@ def echo_score(entropy: torch.Tensor, confidence: torch.Tensor,
 
 def echo_shaping(token_advantages: torch.Tensor, batch) -> torch.Tensor:
     """A_t = A (1 + 0.1 S_t) on the batch's response tokens (train.token_shaping=echo)."""
-    mask = batch.loss_mask
-    s = echo_score(batch.policy_entropy[:, :mask.shape[1]],
-                   batch.policy_confidence[:, :mask.shape[1]], mask)
+    s = echo_score(batch.policy_entropy, batch.policy_confidence, batch.loss_mask)
     return token_advantages * (1 + SHAPING_COEF * s)
 
 

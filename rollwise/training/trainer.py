@@ -348,7 +348,7 @@ class Trainer:
         if not wanted and self.cfg.adaptive_clip == "none":
             return None
         batch.policy_entropy, batch.policy_confidence = policy_token_stats(
-            self.model, batch, self.cfg.micro_batch_size)
+            self.model, batch, self.token_chunks(batch, torch.arange(batch.size)))
         m["policy_confidence"] = float(masked_mean(batch.policy_confidence, batch.loss_mask))
         if self.cfg.adaptive_clip == "none":
             return None
