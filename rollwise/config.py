@@ -175,13 +175,18 @@ class LatrConfig(Section):
 class EchoConfig(Section):
     """ECHO (generate.strategy=echo; METHODS.md §2.5). Defaults: the released config. The
     entropy is that of the renormalised top-`top_k` distribution (at most ln top_k nats), so a
-    small top_k wants a lower entropy_threshold."""
+    small top_k, or a small model with few plausible tokens per step, wants a lower
+    entropy_threshold (and entropy_floor below it)."""
     top_k: int = Field(10, ge=2)
     roots: int = Field(2, ge=1)
     """Sampled sequences per prompt that branch; the group is filled to its size with i.i.d.
     samples once the tree is done."""
     min_position: int = Field(4, ge=0)
-    entropy_threshold: float = Field(3.5, gt=1)
+    entropy_threshold: float = Field(3.5, gt=0)
+    """Top-k entropy (nats) at or above which a sequence may branch."""
+    entropy_floor: float = Field(1.0, ge=0)
+    """The width rule's entropy origin: w = 1 + 2 (H - floor) / (threshold - floor) - ...
+    (the released code's 1.0; must be below entropy_threshold)."""
     conf_threshold: float = Field(1.2, gt=0)
     delta_threshold: float = 0.2
     max_width: int = Field(4, ge=1)
@@ -192,6 +197,14 @@ class EchoConfig(Section):
     tail_conf: float = 1.0
     delta_rise: float = 0.5
     prune: bool = True
+
+    @model_validator(mode="after")
+    def _floor_below_threshold(self):
+        if self.entropy_floor >= self.entropy_threshold:
+            raise ValueError(
+                f"entropy_floor ({self.entropy_floor}) must be below entropy_threshold "
+                f"({self.entropy_threshold}): the width rule divides by their difference")
+        return self
 
 
 class GenerateConfig(Section):

@@ -36,6 +36,16 @@ def test_echo_width_at_its_thresholds():
     assert echo_width(2.25, 1.2, ECHO) == 2  # 1 + 2 * 1.25 / 2.5 = 2
 
 
+def test_echo_width_with_a_lower_entropy_floor_for_a_small_model():
+    small = EchoConfig(entropy_threshold=0.5, entropy_floor=0.1, conf_threshold=4.0)
+    assert echo_width(0.1, 4.0, small) == 1  # at the floor
+    assert echo_width(0.5, 4.0, small) == 3  # 1 + 2 at the threshold, as with the defaults
+    assert echo_width(0.3, 4.0, small) == 2  # halfway: 1 + 2 * 0.2 / 0.4 = 2
+    assert echo_width(0.5, 0.0, small) == 4  # + 1 at zero confidence
+    with pytest.raises(ValueError, match="entropy_floor .* must be below entropy_threshold"):
+        EchoConfig(entropy_threshold=0.5)  # the default floor 1.0 is above it
+
+
 def _trace(H, Cg, dH, Ctail=None) -> EchoTrace:
     n = len(H)
     return EchoTrace(list(H), [1.0] * n, list(Cg), list(Ctail or [2.0] * n), list(dH))

@@ -1,7 +1,7 @@
 """Rollout budgets at equal compute: GRPO with a fixed group size against ARRoL, DUET at 100 %
 and 50 % of the budget, sGPO and DARS.
 
-    rollwise bench budget [--seeds 0 1 2] [--tokens N] [--target P] [--json] [key=value ...]
+    rollwise bench budget [--task stepped|longtail] [--seeds 0 1 2] [--tokens N] [--json] [key=value ...]
 
 Every method starts from the same warm-start model and trains until it has decoded its share
 of one budget of generated tokens (--tokens; DUET-50 gets half): the tokens the engine decoded,
@@ -9,8 +9,13 @@ so sGPO's profiling pass, ARRoL's pruned prefixes and DUET's aborted tails all c
 greedy pass@1 is measured every --eval-every steps and at the end (evaluation time is not
 counted). Reported per method and seed: decoded tokens and seconds (generation + training) to
 the held-out target, the final pass@1, and for ARRoL the quality head's AUC over training.
-The task is APRIL's long-tail one, tails shortened (see DEFAULTS; the stepped task of issue
-22 has not landed): most answers come after a short filler, a tenth after a long one.
+
+Tasks (--task):
+- stepped (default): configs/stepped.yaml, the scratchpad additions of issue 22 (21-33-token
+  responses), its SFT warm start (--init, or trained here and cached), held-out greedy pass@1,
+  target = the warm start's pass@1 + --gain. ARRoL scores at T_p = 16 tokens (STEPPED).
+- longtail: APRIL's long-tail task, tails shortened (LONGTAIL): most answers come after a short
+  filler, a tenth after a long one; sampled pass@1; target --target.
 
 Top-level JSON keys: arrol_speedup (GRPO's median tokens to target / ARRoL's), duet50_pass1_delta
 (DUET-50's final pass@1 minus GRPO's, mean over seeds), sgpo_compute_ratio (sGPO's median tokens
@@ -27,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollwise.bench.jobs import execute
+from rollwise.bench.jobs import execute, warm_start_folder
 from rollwise.config import load_config
 
 # APRIL's long-tail task, with tails shortened (means 2 and 24 instead of 4 and 60) so that
@@ -36,10 +41,15 @@ from rollwise.config import load_config
 # ('.' continues with probability 2/3), so pass@1 is the mean success of 4 draws at
 # temperature 1 (the sampled policy's, unbiased). A constant learning rate: runs of different
 # step counts must not get different schedules.
-DEFAULTS = ["task.filler_mean=2", "task.filler_tail=0.1", "task.filler_tail_mean=24",
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
+COMMON = ["train.lr_end_factor=1.0", "run.log=quiet", "run.report=false",
+          "run.eval_every=100000"]
+# T_p = 16 tokens: a 2-digit scratchpad's first two columns, half of a 3-digit one
+STEPPED = COMMON + ["control.arrol_checkpoint=16"]
+LONGTAIL = ["task.filler_mean=2", "task.filler_tail=0.1", "task.filler_tail_mean=24",
             "generate.max_new_tokens=128", "engine.segment=4", "task.eval_size=200",
-            "run.eval_samples=4", "run.eval_temperature=1.0", "train.lr_end_factor=1.0",
-            "run.log=quiet", "run.report=false", "run.eval_every=100000"]
+            "run.eval_samples=4", "run.eval_temperature=1.0"] + COMMON
+TASKS = {"stepped": (CONFIG, STEPPED), "longtail": (None, LONGTAIL)}
 METHODS = {
     "grpo": [],
     "arrol": ["control.inflight=arrol"],
@@ -51,13 +61,15 @@ METHODS = {
 BUDGET_SHARE = {"duet50": 0.5}
 
 
-def run_method(overrides: list[str], method: str, seed: int, tokens: int, eval_every: int,
-               target: float, root: str, init: str) -> dict:
-    """One run: overrides are the defaults, the method's settings and the command's."""
+def run_method(config: str | None, overrides: list[str], method: str, seed: int, tokens: int,
+               eval_every: int, target: float | None, gain: float, root: str,
+               init: str) -> dict:
+    """One run: overrides are the task's defaults, the method's settings and the command's.
+    target None: the start's pass@1 + gain."""
     from rollwise.loop.metrics import step_metrics
     from rollwise.loop.sync import Run
     from rollwise.report.progress import Progress
-    cfg = load_config(None, overrides + [
+    cfg = load_config(config, overrides + [
         f"run.seed={seed}", f"run.root={root}", f"run.name={method}-{seed}",
         f"run.init={init}", "train.steps=100000"])
     run = Run(cfg, Progress("quiet"))
@@ -76,8 +88,9 @@ def run_method(overrides: list[str], method: str, seed: int, tokens: int, eval_e
         if step % eval_every == 0 or used >= budget:
             curve.append({"step": step, "tokens": used, "seconds": seconds,
                           "pass1": run.evaluate()["eval/pass1"]})
-    hit = next((c for c in curve if c["pass1"] >= target), None)
-    return {"method": method, "seed": seed, "steps": step, "tokens": used,
+    goal = curve[0]["pass1"] + gain if target is None else target
+    hit = next((c for c in curve if c["pass1"] >= goal), None)
+    return {"method": method, "seed": seed, "target": goal, "steps": step, "tokens": used,
             "seconds": seconds, "final_pass1": curve[-1]["pass1"],
             "start_pass1": curve[0]["pass1"], "reached": hit is not None,
             "tokens_to_target": hit["tokens"] if hit else used,
@@ -126,33 +139,40 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise bench budget", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=list(TASKS), default="stepped")
+    p.add_argument("--init", help="warm-start model folder (default: SFT here, cached)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--tokens", type=int, default=100_000,
-                   help="generated-token budget of each run (DUET-50: half)")
-    p.add_argument("--target", type=float, default=0.7, help="held-out pass@1 target")
-    p.add_argument("--eval-every", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=None,
+                   help="generated-token budget of each run (DUET-50: half); default 1.4M "
+                        "(stepped), 100k (longtail)")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out pass@1 target (default: stepped, the start + --gain; "
+                        "longtail, 0.7)")
+    p.add_argument("--gain", type=float, default=0.2)
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between evaluations (default 5 stepped, 3 longtail)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs side by side in this many processes (one torch thread each)")
     p.add_argument("--root", default="runs/bench-budget")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise import models
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start
-    cfg = load_config(None, DEFAULTS + args.overrides + [f"run.root={args.root}"])
-    model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
-    init = f"{args.root}/warm-start"
-    models.save(model, tok, init)
+    stepped = args.task == "stepped"
+    config, defaults = TASKS[args.task]
+    tokens = args.tokens or (1_400_000 if stepped else 100_000)
+    eval_every = args.eval_every or (5 if stepped else 3)
+    target = args.target if args.target is not None or stepped else 0.7
+    init = args.init or warm_start_folder(config, defaults + args.overrides, args.root)
     threads = ["run.threads=1"] if args.jobs > 1 else []
     # the command's overrides come last: they win over a method's own settings
-    jobs = [(DEFAULTS + METHODS[m] + args.overrides + threads, m, seed, args.tokens,
-             args.eval_every, args.target, args.root, init)
+    jobs = [(config, defaults + METHODS[m] + args.overrides + threads, m, seed, tokens,
+             eval_every, target, args.gain, args.root, init)
             for seed in args.seeds for m in args.methods]
     runs, failed = execute(_run, jobs, args.jobs, Path(args.root) / "runs.jsonl",
-                           lambda j: {"method": j[1], "seed": j[2]})
-    out = {"tokens": args.tokens, "target": args.target, "seeds": args.seeds,
+                           lambda j: {"method": j[2], "seed": j[3]})
+    out = {"task": args.task, "tokens": tokens, "target": target, "gain": args.gain,
+           "init": init, "seeds": args.seeds, "overrides": args.overrides,
            **summarize(runs, args.seeds), "runs": runs,
            "failed": failed}
     if args.json:

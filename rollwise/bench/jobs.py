@@ -43,3 +43,18 @@ def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
         for j in jobs:
             keep(_guarded(fn, j, label(j)))
     return [r for r in results if "error" not in r], [r for r in results if "error" in r]
+
+
+def warm_start_folder(config: str | None, overrides: list[str], root: str) -> str:
+    """The SFT warm start of this config (cached by its config under root/.cache), saved as a
+    model folder that runs load with run.init."""
+    from rollwise import models
+    from rollwise.config import load_config
+    from rollwise.tasks import load_task
+    from rollwise.training.sft import cache_path, warm_start
+    cfg = load_config(config, overrides + [f"run.root={root}"])
+    model, tok = warm_start(cfg, load_task(cfg.task),
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+    path = f"{cache_path(cfg)}-model"
+    models.save(model, tok, path)
+    return path

@@ -62,12 +62,38 @@ def to_bf16_grid(model) -> None:
             p.copy_(p.to(torch.bfloat16))
 
 
-def measure(sparse, full, pairs, check: bool) -> dict:
-    """One sparse push (then the bit-for-bit check), one full push of the same weights, and
-    the same sparse payload coded as SparseRL-Sync's (index, value) pairs (encoded and
-    measured, not sent: the engine already holds those weights)."""
+class PeerFormats:
+    """The peers' delta formats (rollwise/sync/peer_formats.py) on the same weights: each
+    encodes the change from the bf16 weights the engine held to the new ones, and decodes it
+    onto the old ones in this process (nothing sent); bytes, seconds and exactness."""
+
+    def __init__(self, weights):
+        from rollwise.sync.peer_formats import bits, codecs
+        self.bits, self.codecs = bits, codecs()
+        self.old = bits(weights)
+
+    def measure(self, weights) -> dict:
+        new = self.bits(weights)
+        out = {}
+        for name, (encode, decode) in self.codecs.items():
+            t0 = time.perf_counter()
+            payload, nbytes = encode(self.old, new)
+            t1 = time.perf_counter()
+            got = decode(self.old, payload)
+            t2 = time.perf_counter()
+            out[name] = {"bytes": nbytes, "encode_s": t1 - t0, "decode_s": t2 - t1,
+                         "exact": all(torch.equal(got[k], new[k]) for k in new)}
+        self.old = new
+        return out
+
+
+def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) -> dict:
+    """One sparse push (then the bit-for-bit check), one full push of the same weights, the
+    same sparse payload coded as SparseRL-Sync's (index, value) pairs (encoded and measured,
+    not sent: the engine already holds those weights), and the peers' formats."""
     from rollwise.sync.payload import pack_meta
     trainer = sparse.trainer
+    peer = peers.measure(trainer.weights()) if peers else {}
     meta, _ = pairs.sender.encode(trainer.weights(), trainer.version, pairs.transport.alloc,
                                   full=False)
     ms = sparse.push()
@@ -84,7 +110,8 @@ def measure(sparse, full, pairs, check: bool) -> dict:
             "full_s": mf["sync/seconds"], "sparse_kind": ms["sync/sparse"],
             "dense_tensors": ms["sync/dense_tensors"], "exact": exact,
             "sparse_parts": {k: ms[f"sync/{k}_seconds"] for k in ("encode", "apply", "verify")},
-            "full_parts": {k: mf[f"sync/{k}_seconds"] for k in ("encode", "apply", "verify")}}
+            "full_parts": {k: mf[f"sync/{k}_seconds"] for k in ("encode", "apply", "verify")},
+            "peers": peer}
 
 
 def syncs(trainer, proc):
@@ -95,7 +122,7 @@ def syncs(trainer, proc):
     pairs = WeightSync(trainer, transport, mode="sparse", coding="pairs")
     sparse.push()  # a new sender: full; the engine now holds the start weights
     pairs.sender.encode(trainer.weights(), trainer.version, transport.alloc, full=True)
-    return sparse, full, pairs
+    return sparse, full, pairs, PeerFormats(trainer.weights())
 
 
 # --- tiny model: rollwise's Trainer on rollouts from the engine process --------------------------
@@ -119,13 +146,13 @@ def tiny_rows(args) -> list[dict]:
             model = copy.deepcopy(model0)
             trainer = Trainer(model, TrainConfig(lr=lr, steps=10**6), pad_id=tok.pad_token_id,
                               seed=args.seed)
-            sparse, full, pairs = syncs(trainer, proc)
+            sparse, full, pairs, peers = syncs(trainer, proc)
             for step in range(1, args.tiny_steps + 1):
                 groups = rollouts(proc, tok, task, step, exact=bool(args.init), seed=args.seed)
                 trainer.update(groups)
                 rows.append({"model": "tiny", "params": models.num_params(model), "lr": lr,
                              "wire": args.wire,
-                             "step": step, **measure(sparse, full, pairs, check=True)})
+                             "step": step, **measure(sparse, full, pairs, check=True, peers=peers)})
                 log(args, rows[-1])
     finally:
         proc.close()
@@ -215,7 +242,7 @@ def large_rows(args) -> list[dict]:
                 for n, p in model.named_parameters():
                     p.copy_(start[n])
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
-            sparse, full, pairs = syncs(trainer, proc)
+            sparse, full, pairs, peers = syncs(trainer, proc)
             for step in range(1, args.steps + 1):
                 t1 = time.perf_counter()
                 pg_step(model, opt, step, args.batch, args.vocab, args.seed)
@@ -224,7 +251,8 @@ def large_rows(args) -> list[dict]:
                 rows.append({"model": "0.5b", "params": params, "lr": lr, "step": step,
                              "wire": args.wire,
                              "train_s": train_s,
-                             **measure(sparse, full, pairs, check=step == args.steps or args.check_all)})
+                             **measure(sparse, full, pairs, check=step == args.steps or args.check_all,
+                                        peers=peers)})
                 log(args, rows[-1])
             del opt, sparse, full, pairs
     finally:
@@ -254,8 +282,51 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "sparse_parts": {k: statistics.median(r["sparse_parts"][k] for r in rs)
                                      for k in rs[0]["sparse_parts"]},
                     "full_parts": {k: statistics.median(r["full_parts"][k] for r in rs)
-                                   for k in rs[0]["full_parts"]}})
+                                   for k in rs[0]["full_parts"]},
+                    **peer_summary(rs)})
     return out
+
+
+def peer_summary(rs: list[dict]) -> dict:
+    """Per peer format: median bytes, bytes ratio to full, codec seconds (encode + decode)
+    and the same plus the modelled 10 Gbit/s link; rollwise's codec seconds (encode + apply)
+    beside them; whether rollwise's payload is smaller than each at every step."""
+    if not rs[0].get("peers"):
+        return {}
+    med = lambda xs: statistics.median(list(xs))  # noqa: E731
+    ours_s = med(r["sparse_parts"]["encode"] + r["sparse_parts"]["apply"] for r in rs)
+    ours_b = med(r["sparse_bytes"] for r in rs)
+    peers = {}
+    for name in rs[0]["peers"]:
+        b = med(r["peers"][name]["bytes"] for r in rs)
+        sec = med(r["peers"][name]["encode_s"] + r["peers"][name]["decode_s"] for r in rs)
+        peers[name] = {"mb": b / 2**20, "bytes_ratio": med(r["full_bytes"] for r in rs) / b,
+                       "codec_s": sec, "link_s": sec + b / LINK_BYTES_PER_S,
+                       "exact": all(r["peers"][name]["exact"] for r in rs),
+                       "rollwise_smaller": all(r["sparse_bytes"] < r["peers"][name]["bytes"]
+                                               for r in rs)}
+    return {"peers": peers, "rollwise_codec_s": ours_s,
+            "rollwise_link_s": ours_s + ours_b / LINK_BYTES_PER_S,
+            "rollwise_fewest_bytes": all(v["rollwise_smaller"] for v in peers.values())}
+
+
+def peer_table(summary: list[dict]) -> str:
+    head = (f"{'model':6} {'lr':>7} {'format':>16} {'MB':>9} {'bytes x':>8} {'codec s':>8} "
+            f"{'@10Gb s':>8} {'exact':>5} {'rollwise smaller':>16}")
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        if "peers" not in s:
+            continue
+        lines.append(f"{s['model']:6} {s['lr']:7.0e} {'rollwise delta':>16} {s['sparse_mb']:9.3f} "
+                     f"{s['bytes_ratio']:8.1f} {s['rollwise_codec_s']:8.3f} "
+                     f"{s['rollwise_link_s']:8.3f} {'yes' if s['bit_exact'] else 'NO':>5} "
+                     f"{'':>16}")
+        for name, v in s["peers"].items():
+            lines.append(f"{s['model']:6} {s['lr']:7.0e} {name:>16} {v['mb']:9.3f} "
+                         f"{v['bytes_ratio']:8.1f} {v['codec_s']:8.3f} {v['link_s']:8.3f} "
+                         f"{'yes' if v['exact'] else 'NO':>5} "
+                         f"{'yes' if v['rollwise_smaller'] else 'NO':>16}")
+    return "\n".join(lines)
 
 
 def table(summary: list[dict]) -> str:
@@ -326,6 +397,7 @@ def main(argv: list[str]) -> int:
                           "threads": torch.get_num_threads()}, indent=1))
     else:
         print(table(summary))
+        print(peer_table(summary))
         print(f"wall {time.perf_counter() - t0:.0f}s, torch threads {torch.get_num_threads()}")
     return 0
 

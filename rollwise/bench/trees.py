@@ -11,8 +11,9 @@ generated tokens (pruned branches count), held-out greedy pass@1 every --eval-ev
   answers per group, forks, pruned branches and prefix tokens saved.
 - echo: test-time RL on unlabeled prompts (filter.reward=majority: the reward never reads the
   answers) with i.i.d. groups against ECHO (generate.strategy=echo with its token shaping and
-  adaptive clip). Its warm start has the teacher right on most steps (--ttrl-noise), since
-  TTRL needs a majority that is mostly right (METHODS.md §2.5). Reported: pseudo-label accuracy
+  adaptive clip, its thresholds set for the tiny model: ECHO_TINY) at --ttrl-lr. Its warm start
+  has the teacher right on most steps (--ttrl-noise), since TTRL needs a majority that is
+  mostly right (METHODS.md §2.5). Reported: pseudo-label accuracy
   (filter/majority_label_acc, mean over the last quarter of steps) and final held-out pass@1,
   sampled (4 draws at T = 1), as TTRL reports it: greedy decoding already picks the majority.
 
@@ -31,18 +32,29 @@ import sys
 import time
 from pathlib import Path
 
-from rollwise.bench.jobs import execute
+from rollwise.bench.jobs import execute, warm_start_folder
 from rollwise.config import load_config
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
 # a constant rate: arms of different step counts must not get different schedules
 DEFAULTS = ["train.lr_end_factor=1.0", "run.log=quiet", "run.report=false",
             "run.eval_every=100000"]
+# ECHO's released thresholds are for a 7B model's top-10 statistics (and H >= 3.5 nats is
+# above ln 10, the most a renormalised top-10 entropy can be). These are set from the tiny
+# warm start's statistics (BENCHMARKS.md, "ECHO's thresholds on the tiny model"), not from
+# the bench's outcome: H >= 0.3 marks the ~5 % of tokens where two digits are plausible, where
+# C_g sits at 6.2-6.5 and dH at 0.5-0.75; the third token there has p <= 0.03, so one
+# alternative (max_width 1); the prune rules cut below the warm start's lowest confidence
+# (C_g 0.1 % quantile 6.04) and on entropy rising past a two-way split (> ln 2).
+ECHO_TINY = ["generate.echo.entropy_threshold=0.3", "generate.echo.entropy_floor=0.03",
+             "generate.echo.conf_threshold=6.6", "generate.echo.max_width=1",
+             "generate.echo.min_group_conf=5.5", "generate.echo.tail_conf=6.0",
+             "generate.echo.delta_rise=0.8"]
 ARMS = {
     "latr": {"iid": ["generate.strategy=group"], "latr": ["generate.strategy=latr"]},
     "echo": {"iid": ["generate.strategy=group", "filter.reward=majority"],
              "echo": ["generate.strategy=echo", "filter.reward=majority",
-                      "train.token_shaping=echo", "train.adaptive_clip=echo"]},
+                      "train.token_shaping=echo", "train.adaptive_clip=echo"] + ECHO_TINY},
 }
 
 
@@ -138,19 +150,6 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
     return out
 
 
-def warm_start_for(part_overrides: list[str], root: str) -> str:
-    """The part's warm start (cached by its config under root/.cache), saved as a folder."""
-    from rollwise import models
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import cache_path, warm_start
-    cfg = load_config(CONFIG, DEFAULTS + part_overrides + [f"run.root={root}"])
-    model, tok = warm_start(cfg, load_task(cfg.task),
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
-    path = f"{cache_path(cfg)}-model"
-    models.save(model, tok, path)
-    return path
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise bench trees", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +165,9 @@ def main(argv: list[str]) -> int:
                    help="sft.noise of the echo part's warm start (its teacher's wrong-fact share)")
     p.add_argument("--init", help="the latr part's warm-start model folder (default: SFT here)")
     p.add_argument("--ttrl-init", help="the echo part's warm-start model folder")
+    p.add_argument("--ttrl-lr", type=float, default=1e-5,
+                   help="the echo part's learning rate (stepped.yaml's 2e-6 moves no TTRL arm "
+                        "in its budget)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--jobs", type=int, default=1,
                    help="runs side by side in this many processes (one torch thread each)")
@@ -175,13 +177,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     # TTRL reports sampled pass@1 (greedy decoding already picks the majority's answer)
     part_overrides = {"latr": [], "echo": [f"sft.noise={args.ttrl_noise}", "run.eval_samples=4",
-                                           "run.eval_temperature=1.0"]}
+                                           "run.eval_temperature=1.0", f"train.lr={args.ttrl_lr}"]}
     budget = {"latr": args.tokens, "echo": args.ttrl_tokens}
     threads = ["run.threads=1"] if args.jobs > 1 else []
     given = {"latr": args.init, "echo": args.ttrl_init}
     jobs = []
     for part in args.parts:
-        init = given[part] or warm_start_for(part_overrides[part] + args.overrides, args.root)
+        init = given[part] or warm_start_folder(
+            CONFIG, DEFAULTS + part_overrides[part] + args.overrides, args.root)
         for seed in args.seeds:
             for arm, arm_overrides in ARMS[part].items():  # the command's overrides win
                 jobs.append((DEFAULTS + part_overrides[part] + arm_overrides + args.overrides

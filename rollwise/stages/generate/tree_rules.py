@@ -71,11 +71,11 @@ def echo_branches_at(trace: EchoTrace, t: int, cfg) -> bool:
 
 
 def echo_width(H: float, Cg: float, cfg) -> int:
-    """w = clip(round(1 + 2 (H - 1) / (H* - 1) - (C_g - C*) / C*), 1, max_width), with
-    H* = entropy_threshold and C* = conf_threshold: more alternatives where the model is
-    unsure and unconfident."""
-    H_star, C_star = cfg.entropy_threshold, cfg.conf_threshold
-    w = round(1 + 2 * (H - 1) / (H_star - 1) - (Cg - C_star) / C_star)
+    """w = clip(round(1 + 2 (H - H0) / (H* - H0) - (C_g - C*) / C*), 1, max_width), with
+    H* = entropy_threshold, H0 = entropy_floor (1 in the released code) and
+    C* = conf_threshold: more alternatives where the model is unsure and unconfident."""
+    H_star, H0, C_star = cfg.entropy_threshold, cfg.entropy_floor, cfg.conf_threshold
+    w = round(1 + 2 * (H - H0) / (H_star - H0) - (Cg - C_star) / C_star)
     return max(1, min(cfg.max_width, w))
 
 
