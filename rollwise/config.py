@@ -203,7 +203,8 @@ class EchoConfig(Section):
         if self.entropy_floor >= self.entropy_threshold:
             raise ValueError(
                 f"entropy_floor ({self.entropy_floor}) must be below entropy_threshold "
-                f"({self.entropy_threshold}): the width rule divides by their difference")
+                f"({self.entropy_threshold}): the width rule divides by their difference; "
+                f"set generate.echo.entropy_floor lower (e.g. a tenth of the threshold)")
         return self
 
 

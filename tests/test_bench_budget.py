@@ -3,6 +3,8 @@ summary's ratios are computed from the runs."""
 
 import json
 
+import pytest
+
 from rollwise.bench import budget
 
 
@@ -20,12 +22,13 @@ def test_summary_ratios_come_from_the_runs():
     assert out["sgpo_compute_ratio"] == 280 / 700
 
 
-def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys):
+@pytest.mark.parametrize("task", ["stepped", "longtail"])
+def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys, task):
     small = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
              "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=200",
              "task.eval_size=20", "sft.steps=20", "generate.max_new_tokens=16",
              "control.prompts_per_step=2", "task.filler_tail_mean=8"]
-    assert budget.main(["--seeds", "0", "--methods", "grpo", "duet50", "--tokens", "300",
+    assert budget.main(["--task", task, "--seeds", "0", "--methods", "grpo", "duet50", "--tokens", "300",
                         "--target", "0.99", "--eval-every", "2", "--root", str(tmp_path),
                         "--json", *small]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -38,3 +41,16 @@ def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys):
         assert r["curve"][-1]["tokens"] == r["tokens"]
     assert "duet50_pass1_delta" in out
     assert not runs["grpo"]["reached"] and runs["grpo"]["tokens_to_target"] == runs["grpo"]["tokens"]
+    assert out["task"] == task and runs["grpo"]["target"] == 0.99
+
+
+def test_bench_budget_target_defaults_to_the_start_plus_the_gain(tmp_path, capsys):
+    small = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+             "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=200",
+             "task.eval_size=20", "sft.steps=20", "generate.max_new_tokens=16",
+             "control.prompts_per_step=2"]
+    assert budget.main(["--seeds", "0", "--methods", "grpo", "--tokens", "100", "--gain", "0.3",
+                        "--root", str(tmp_path), "--json", *small]) == 0
+    run, = json.loads(capsys.readouterr().out)["runs"]
+    assert run["target"] == pytest.approx(run["start_pass1"] + 0.3)
+    assert run["reached"] == any(c["pass1"] >= run["target"] for c in run["curve"])
