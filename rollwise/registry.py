@@ -59,6 +59,9 @@ BUILTIN: dict[str, dict[str, str]] = {
     # factory(cfg) -> Replay
     "replay": {"none": "rollwise.stages.replay.buffer:NoReplay",
                "buffer": "rollwise.stages.replay.buffer:BufferReplay"},
+    # a typed Python function: its signature and docstring are the schema (rollwise.agents)
+    "tool": {"calculator": "rollwise.agents.builtin_tools:calculator",
+             "python": "rollwise.agents.builtin_tools:python"},
     # factory(cfg, model, tokenizer, run_dir) -> Engine
     "engine": {"builtin": "rollwise.engine.backends:builtin",
                "vllm": "rollwise.engine.backends:vllm"},
