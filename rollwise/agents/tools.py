@@ -52,9 +52,8 @@ class Tool:
         missing = [k for k in params.get("required", []) if k not in args]
         unknown = [k for k in args if k not in props]
         if missing or unknown:
-            return "; ".join(x for x in (missing and f"missing {missing}",
-                                         unknown and f"unknown {unknown}") if x) + \
-                f" (parameters: {list(props)})"
+            why = [f"missing {missing}"] * bool(missing) + [f"unknown {unknown}"] * bool(unknown)
+            return "; ".join(why) + f" (parameters: {list(props)})"
         for k, v in args.items():
             want = _JSON_TYPES.get(props[k].get("type"))
             if want and (not isinstance(v, want) or (isinstance(v, bool) and want is not bool)):

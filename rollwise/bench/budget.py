@@ -13,8 +13,8 @@ the held-out target, the final pass@1, and for ARRoL the quality head's AUC over
 Tasks (--task):
 - stepped (default): configs/stepped.yaml, the scratchpad additions of issue 22 (21-33-token
   responses), its SFT warm start (--init, or trained here and cached), held-out greedy pass@1,
-  target = the warm start's pass@1 + --gain. ARRoL scores at T_p = 16 tokens (STEPPED).
-- longtail: APRIL's long-tail task, tails shortened (LONGTAIL): most answers come after a short
+  target = the warm start's pass@1 + --gain. ARRoL scores at T_p = 16 tokens (TASKS).
+- longtail: APRIL's long-tail task, tails shortened (TASKS): most answers come after a short
   filler, a tenth after a long one; sampled pass@1; target --target.
 
 Top-level JSON keys: arrol_speedup (GRPO's median tokens to target / ARRoL's), duet50_pass1_delta
@@ -29,27 +29,35 @@ import argparse
 import json
 import statistics
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from rollwise.bench.jobs import execute, warm_start_folder
-from rollwise.config import load_config
+from rollwise.bench.jobs import (BENCH_RUN, execute, first_reach, print_keys_and_failures,
+                                 train_to_budget, warm_start_folder)
 
-# APRIL's long-tail task, with tails shortened (means 2 and 24 instead of 4 and 60) so that
-# the default run's warm start (2000 supervised steps) takes 8 minutes here instead of about
-# 100 (5.9 s per step at the longer tails). Greedy decoding never leaves a geometric filler
-# ('.' continues with probability 2/3), so pass@1 is the mean success of 4 draws at
-# temperature 1 (the sampled policy's, unbiased). A constant learning rate: runs of different
-# step counts must not get different schedules.
-CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
-COMMON = ["train.lr_end_factor=1.0", "run.log=quiet", "run.report=false",
-          "run.eval_every=100000"]
-# T_p = 16 tokens: a 2-digit scratchpad's first two columns, half of a 3-digit one
-STEPPED = COMMON + ["control.arrol_checkpoint=16"]
-LONGTAIL = ["task.filler_mean=2", "task.filler_tail=0.1", "task.filler_tail_mean=24",
-            "generate.max_new_tokens=128", "engine.segment=4", "task.eval_size=200",
-            "run.eval_samples=4", "run.eval_temperature=1.0"] + COMMON
-TASKS = {"stepped": (CONFIG, STEPPED), "longtail": (None, LONGTAIL)}
+
+@dataclass(frozen=True)
+class TaskSetup:
+    config: str | None  # the run config the overrides apply to (None: the defaults)
+    overrides: list[str]
+    tokens: int  # generated-token budget per run
+    eval_every: int
+    target: float | None  # None: the warm start's pass@1 + --gain
+
+
+TASKS = {
+    # ARRoL's T_p = 16 tokens: a 2-digit scratchpad's first two columns, half of a 3-digit one
+    "stepped": TaskSetup(str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml"),
+                         BENCH_RUN + ["control.arrol_checkpoint=16"], 1_400_000, 5, None),
+    # APRIL's long-tail task, tails shortened (means 2 and 24 instead of 4 and 60) so that the
+    # default run's warm start (2000 supervised steps) takes 8 minutes here instead of about
+    # 100. Greedy decoding never leaves a geometric filler ('.' continues with probability
+    # 2/3), so pass@1 is the mean success of 4 draws at temperature 1 (unbiased).
+    "longtail": TaskSetup(None, ["task.filler_mean=2", "task.filler_tail=0.1",
+                                 "task.filler_tail_mean=24", "generate.max_new_tokens=128",
+                                 "engine.segment=4", "task.eval_size=200", "run.eval_samples=4",
+                                 "run.eval_temperature=1.0"] + BENCH_RUN, 100_000, 3, 0.7),
+}
 METHODS = {
     "grpo": [],
     "arrol": ["control.inflight=arrol"],
@@ -66,35 +74,22 @@ def run_method(config: str | None, overrides: list[str], method: str, seed: int,
                init: str) -> dict:
     """One run: overrides are the task's defaults, the method's settings and the command's.
     target None: the start's pass@1 + gain."""
-    from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.sync import Run
-    from rollwise.report.progress import Progress
-    cfg = load_config(config, overrides + [
-        f"run.seed={seed}", f"run.root={root}", f"run.name={method}-{seed}",
-        f"run.init={init}", "train.steps=100000"])
-    run = Run(cfg, Progress("quiet"))
-    budget = tokens * BUDGET_SHARE.get(method, 1.0)
-    curve = [{"step": 0, "tokens": 0, "seconds": 0.0,
-              "pass1": run.evaluate()["eval/pass1"]}]
-    used, seconds, step, aucs = 0, 0.0, 0, []
-    while used < budget:
-        step += 1
-        t0 = time.time()
-        m = step_metrics(run.step(step))
-        seconds += time.time() - t0
-        used += m["tokens/decoded"]
+    aucs = []
+
+    def observe(run, r, m):
         if "arrol/head_auc" in m:
-            aucs.append({"step": step, "auc": m["arrol/head_auc"]})
-        if step % eval_every == 0 or used >= budget:
-            curve.append({"step": step, "tokens": used, "seconds": seconds,
-                          "pass1": run.evaluate()["eval/pass1"]})
+            aucs.append({"step": run.current_step, "auc": m["arrol/head_auc"]})
+    t = train_to_budget(config, overrides + [
+        f"run.seed={seed}", f"run.root={root}", f"run.name={method}-{seed}",
+        f"run.init={init}"], tokens * BUDGET_SHARE.get(method, 1.0), eval_every, observe)
+    curve = t["curve"]
     goal = curve[0]["pass1"] + gain if target is None else target
-    hit = next((c for c in curve if c["pass1"] >= goal), None)
-    return {"method": method, "seed": seed, "target": goal, "steps": step, "tokens": used,
-            "seconds": seconds, "final_pass1": curve[-1]["pass1"],
+    hit = first_reach(curve, goal)
+    return {"method": method, "seed": seed, "target": goal, "steps": t["steps"],
+            "tokens": t["tokens"], "seconds": t["seconds"], "final_pass1": curve[-1]["pass1"],
             "start_pass1": curve[0]["pass1"], "reached": hit is not None,
-            "tokens_to_target": hit["tokens"] if hit else used,
-            "seconds_to_target": hit["seconds"] if hit else seconds,
+            "tokens_to_target": hit["tokens"] if hit else t["tokens"],
+            "seconds_to_target": hit["seconds"] if hit else t["seconds"],
             "curve": curve, "head_auc": aucs}
 
 
@@ -158,16 +153,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    stepped = args.task == "stepped"
-    config, defaults = TASKS[args.task]
-    tokens = args.tokens or (1_400_000 if stepped else 100_000)
-    eval_every = args.eval_every or (5 if stepped else 3)
-    target = args.target if args.target is not None or stepped else 0.7
-    init = args.init or warm_start_folder(config, defaults + args.overrides, args.root)
+    task = TASKS[args.task]
+    tokens = args.tokens or task.tokens
+    eval_every = args.eval_every or task.eval_every
+    target = task.target if args.target is None else args.target
+    init = args.init or warm_start_folder(task.config, task.overrides + args.overrides, args.root)
     threads = ["run.threads=1"] if args.jobs > 1 else []
     # the command's overrides come last: they win over a method's own settings
-    jobs = [(config, defaults + METHODS[m] + args.overrides + threads, m, seed, tokens,
-             eval_every, target, args.gain, args.root, init)
+    jobs = [(task.config, task.overrides + METHODS[m] + args.overrides + threads, m, seed,
+             tokens, eval_every, target, args.gain, args.root, init)
             for seed in args.seeds for m in args.methods]
     runs, failed = execute(_run, jobs, args.jobs, Path(args.root) / "runs.jsonl",
                            lambda j: {"method": j[2], "seed": j[3]})
@@ -184,12 +178,8 @@ def main(argv: list[str]) -> int:
         reached = sum(r["reached"] for r in runs if r["method"] == m)
         print(f"| {m} | {v['tokens_to_target']:.0f} | {v['seconds_to_target']:.0f} | "
               f"{v['final_pass1']:.3f} | {reached}/{len(args.seeds)} |")
-    for k in ("arrol_speedup", "duet50_pass1_delta", "sgpo_compute_ratio"):
-        if out.get(k) is not None:
-            print(f"{k}: {out[k]:.3f}")
-    for r in failed:
-        print(f"FAILED: {r['method']} seed {r['seed']} (traceback above)")
-    return 1 if failed else 0
+    return print_keys_and_failures(out, ("arrol_speedup", "duet50_pass1_delta",
+                                         "sgpo_compute_ratio"), failed, lambda r: r["method"])
 
 
 if __name__ == "__main__":

@@ -58,3 +58,56 @@ def warm_start_folder(config: str | None, overrides: list[str], root: str) -> st
     path = f"{cache_path(cfg)}-model"
     models.save(model, tok, path)
     return path
+
+
+def print_keys_and_failures(out: dict, keys: tuple[str, ...], failed: list[dict],
+                            name: Callable[[dict], str]) -> int:
+    """The table's footer: each headline key the summary has, then each failed run (name(r)
+    and its seed); the bench's exit code (1 if any run failed)."""
+    for k in keys:
+        if out.get(k) is not None:
+            print(f"{k}: {out[k]:.3f}")
+    for r in failed:
+        print(f"FAILED: {name(r)} seed {r['seed']} (traceback above)")
+    return 1 if failed else 0
+
+
+# every bench run: a constant learning rate (runs of different step counts must not get
+# different schedules), quiet, no report, evaluation only where the bench asks for it
+BENCH_RUN = ["train.lr_end_factor=1.0", "run.log=quiet", "run.report=false",
+             "run.eval_every=100000"]
+
+
+def train_to_budget(config: str | None, overrides: list[str], tokens: float, eval_every: int,
+                    observe: Callable | None = None) -> dict:
+    """Build a Run and step it until `tokens` generated tokens are decoded, evaluating
+    held-out pass@1 at the start, every `eval_every` steps and at the end (not timed);
+    observe(run, step_result, metrics) after each step. Returns the run, its steps, tokens,
+    seconds (generation + training) and the curve of {step, tokens, seconds, pass1}."""
+    import time
+
+    from rollwise.config import load_config
+    from rollwise.loop.metrics import step_metrics
+    from rollwise.loop.sync import Run
+    from rollwise.report.progress import Progress
+    run = Run(load_config(config, overrides + ["train.steps=100000"]), Progress("quiet"))
+    curve = [{"step": 0, "tokens": 0, "seconds": 0.0, "pass1": run.evaluate()["eval/pass1"]}]
+    used, seconds, step = 0, 0.0, 0
+    while used < tokens:
+        step += 1
+        t0 = time.time()
+        r = run.step(step)
+        seconds += time.time() - t0
+        m = step_metrics(r)
+        used += m["tokens/decoded"]
+        if observe:
+            observe(run, r, m)
+        if step % eval_every == 0 or used >= tokens:
+            curve.append({"step": step, "tokens": used, "seconds": seconds,
+                          "pass1": run.evaluate()["eval/pass1"]})
+    return {"run": run, "steps": step, "tokens": used, "seconds": seconds, "curve": curve}
+
+
+def first_reach(curve: list[dict], target: float) -> dict | None:
+    """The first evaluation at or above target, or None."""
+    return next((c for c in curve if c["pass1"] >= target), None)

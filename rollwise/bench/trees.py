@@ -29,16 +29,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from rollwise.bench.jobs import execute, warm_start_folder
-from rollwise.config import load_config
+from rollwise.bench.jobs import (BENCH_RUN, execute, first_reach, print_keys_and_failures,
+                                 train_to_budget, warm_start_folder)
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
-# a constant rate: arms of different step counts must not get different schedules
-DEFAULTS = ["train.lr_end_factor=1.0", "run.log=quiet", "run.report=false",
-            "run.eval_every=100000"]
 # ECHO's released thresholds are for a 7B model's top-10 statistics (and H >= 3.5 nats is
 # above ln 10, the most a renormalised top-10 entropy can be). These are set from the tiny
 # warm start's statistics (BENCHMARKS.md, "ECHO's thresholds on the tiny model"), not from
@@ -68,40 +64,28 @@ def distinct_answers(run, groups) -> float:
 def run_arm(overrides: list[str], part: str, arm: str, seed: int, tokens: int,
             eval_every: int, gain: float, root: str, init: str) -> dict:
     """One arm of one part: steps until `tokens` generated tokens are decoded."""
-    from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.sync import Run
-    from rollwise.report.progress import Progress
-    cfg = load_config(CONFIG, overrides + [
-        f"run.seed={seed}", f"run.root={root}", f"run.name={part}-{arm}-{seed}",
-        f"run.init={init}", "train.steps=100000"])
-    run = Run(cfg, Progress("quiet"))
-    start = run.evaluate()["eval/pass1"]
-    curve = [{"step": 0, "tokens": 0, "seconds": 0.0, "pass1": start}]
-    used, seconds, step, steps = 0, 0.0, 0, []
-    while used < tokens:
-        step += 1
-        t0 = time.time()
-        r = run.step(step)
-        seconds += time.time() - t0
-        m = step_metrics(r)
-        used += m["tokens/decoded"]
+    steps = []
+
+    def observe(run, r, m):
         steps.append({"mixed": m["groups/mixed_share"], "distinct": distinct_answers(run, r.scored),
                       "forks": sum(v for k, v in m.items() if k.startswith("decisions/generate/fork")),
                       "pruned": sum(v for k, v in m.items()
                                     if k.startswith("decisions/generate/prune")),
                       "prefix_saved": m.get("tokens/prefix_saved", 0.0),
                       "label_acc": m.get("filter/majority_label_acc")})
-        if step % eval_every == 0 or used >= tokens:
-            curve.append({"step": step, "tokens": used, "seconds": seconds,
-                          "pass1": run.evaluate()["eval/pass1"]})
+    t = train_to_budget(CONFIG, overrides + [
+        f"run.seed={seed}", f"run.root={root}", f"run.name={part}-{arm}-{seed}",
+        f"run.init={init}"], tokens, eval_every, observe)
+    curve = t["curve"]
+    start = curve[0]["pass1"]
     target = start + gain
-    hit = next((c for c in curve if c["pass1"] >= target), None)
+    hit = first_reach(curve, target)
     acc = [s["label_acc"] for s in steps[-max(len(steps) // 4, 1):] if s["label_acc"] is not None]
-    return {"part": part, "arm": arm, "seed": seed, "steps": step, "tokens": used,
-            "seconds": seconds, "start_pass1": start, "final_pass1": curve[-1]["pass1"],
+    return {"part": part, "arm": arm, "seed": seed, "steps": t["steps"], "tokens": t["tokens"],
+            "seconds": t["seconds"], "start_pass1": start, "final_pass1": curve[-1]["pass1"],
             "target": target, "reached": hit is not None,
-            "tokens_to_target": hit["tokens"] if hit else used,
-            "steps_to_target": hit["step"] if hit else step,
+            "tokens_to_target": hit["tokens"] if hit else t["tokens"],
+            "steps_to_target": hit["step"] if hit else t["steps"],
             "mixed_share": statistics.mean(s["mixed"] for s in steps),
             "distinct_answers": statistics.mean(s["distinct"] for s in steps),
             "forks": sum(s["forks"] for s in steps), "pruned": sum(s["pruned"] for s in steps),
@@ -184,10 +168,10 @@ def main(argv: list[str]) -> int:
     jobs = []
     for part in args.parts:
         init = given[part] or warm_start_folder(
-            CONFIG, DEFAULTS + part_overrides[part] + args.overrides, args.root)
+            CONFIG, BENCH_RUN + part_overrides[part] + args.overrides, args.root)
         for seed in args.seeds:
             for arm, arm_overrides in ARMS[part].items():  # the command's overrides win
-                jobs.append((DEFAULTS + part_overrides[part] + arm_overrides + args.overrides
+                jobs.append((BENCH_RUN + part_overrides[part] + arm_overrides + args.overrides
                              + threads, part, arm, seed, budget[part], args.eval_every,
                              args.gain, args.root, init))
     runs, failed = execute(_run, jobs, args.jobs, Path(args.root) / "runs.jsonl",
@@ -207,13 +191,9 @@ def main(argv: list[str]) -> int:
               f"{v['reached']}/{len(args.seeds)} | {v['final_pass1']:.3f} | "
               f"{v['mixed_share']:.3f} | {v['distinct_answers']:.2f} | {v['forks']:.0f} | "
               f"{v['pruned']:.0f} | {v['prefix_saved']:.0f} | {acc} |")
-    for k in ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_pass1_delta",
-              "echo_label_acc_delta"):
-        if out.get(k) is not None:
-            print(f"{k}: {out[k]:.3f}")
-    for r in failed:
-        print(f"FAILED: {r['part']}/{r['arm']} seed {r['seed']} (traceback above)")
-    return 1 if failed else 0
+    return print_keys_and_failures(
+        out, ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_pass1_delta",
+              "echo_label_acc_delta"), failed, lambda r: f"{r['part']}/{r['arm']}")
 
 
 if __name__ == "__main__":

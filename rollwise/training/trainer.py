@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -507,8 +508,8 @@ class Trainer:
         c = prep.rows(micro, mb.loss_mask.shape[1])
         mask = c["mask"]
         logp, ent = taken or self.logprobs(self.model, mb, entropy_grad=cfg.entropy_coef > 0)
-        p = self.loss_params if prep.clip is None else \
-            LossParams(prep.clip[micro], prep.clip[micro], cfg.dual_clip_c)
+        p = self.loss_params if prep.clip is None else dataclasses.replace(
+            self.loss_params, clip_low=prep.clip[micro], clip_high=prep.clip[micro])
         token_loss, m = self.loss_fn(logp, c["anchor"], c["adv"], mask, p)
         token_loss = token_loss * c["weights"]
         if cfg.entropy_coef > 0:
