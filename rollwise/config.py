@@ -593,6 +593,30 @@ class SyncConfig(Section):
     """Largest payload bucket (one collective per bucket on a GPU transport)."""
 
 
+class LoopConfig(Section):
+    """How generation and training share time (rollwise/loop/)."""
+    mode: Literal["sync", "async"] = "sync"
+    """'sync': generate, then train, then sync, one step after another (on-policy). 'async':
+    a producer thread generates later steps while the trainer updates; new weights reach the
+    engine between its decode steps, so a rollout may span versions (each token keeps its
+    own). At max_staleness = 0 it is the synchronous loop, bit for bit."""
+    max_staleness: int = Field(1, ge=0)
+    """async: the most policy versions a trained token may lag the policy it updates. Enforced
+    by admission: step k's generation starts only once the trainer holds version
+    k - 1 - max_staleness, so nothing is generated only to be dropped."""
+    backend: Literal["local", "ray"] = "local"
+    """'local': the engine in this process (or a child, sync.transport); 'ray': Ray actors
+    with a built-in engine each (rollwise/loop/ray.py), dead ones replaced, their requests
+    re-queued."""
+    rollout_workers: int = Field(2, ge=1)
+    """ray: rollout workers (Ray actors) in the pool."""
+    ray_address: str | None = None
+    """ray: a running cluster's address; None starts Ray on this machine."""
+    wait_timeout_s: float = Field(1800.0, gt=0)
+    """async: the longest the trainer waits for a step's rollouts, or the producer for new
+    weights or an idle point, before the run stops with an error naming what it waited for."""
+
+
 class RunConfig(Section):
     name: str = "default"
     root: str = "runs"
@@ -647,6 +671,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     sync: SyncConfig = SyncConfig()
+    loop: LoopConfig = LoopConfig()
     run: RunConfig = RunConfig()
 
 

@@ -25,6 +25,14 @@ import torch
 def build_engine(cfg, model, tokenizer=None, run_dir: str | Path | None = None):
     """The engine `cfg.engine.backend` names, holding `model`'s weights at version 0."""
     from rollwise import registry
+    if cfg.loop.backend == "ray":
+        if cfg.engine.backend != "builtin" or cfg.sync.transport != "inproc":
+            raise ValueError(f"loop.backend=ray runs built-in engines in Ray actors and ships "
+                             f"weights through the object store: set engine.backend=builtin and "
+                             f"sync.transport=inproc (got {cfg.engine.backend}, "
+                             f"{cfg.sync.transport})")
+        from rollwise.loop.ray import worker_pool
+        return worker_pool(cfg, model)
     factory = registry.resolve("engine", cfg.engine.backend, "engine.backend")
     return factory(cfg, model, tokenizer, run_dir)
 

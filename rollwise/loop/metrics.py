@@ -17,11 +17,13 @@ class StepResult:
     ledger: Ledger
     version: int  # the policy version after the update
     decoded: int  # tokens the engine decoded during the step's generation
+    dropped: list[Group] = field(default_factory=list)  # scored groups Filter left out
     replay: dict[str, float] = field(default_factory=dict)
     filter: dict[str, float] = field(default_factory=dict)  # summed over generation rounds
     train: dict[str, float] = field(default_factory=dict)
     sync: dict[str, float] = field(default_factory=dict)
     control: dict[str, float] = field(default_factory=dict)  # the in-flight controller's
+    engine: dict[str, float] = field(default_factory=dict)  # a worker pool's (deaths, ...)
     seconds: dict[str, float] = field(default_factory=dict)  # gen, train, step
 
 
@@ -33,7 +35,7 @@ def step_metrics(r: StepResult) -> dict[str, float]:
     ledger["tokens/trained"] = ledger.get("tokens/trained", 0.0) + float(
         int(r.train.get("train/tokens", 0) - r.replay.get("replay/tokens", 0)))
     return {
-        **r.replay, **r.filter, **r.control, "perf/gen_seconds": r.seconds["gen"], **r.train,
+        **r.replay, **r.filter, **r.control, **r.engine, "perf/gen_seconds": r.seconds["gen"], **r.train,
         "perf/train_seconds": r.seconds["train"], **r.sync, **ledger,
         "step": r.step, "reward/mean": sum(s.reward for s in samples) / len(samples),
         "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),
@@ -41,10 +43,14 @@ def step_metrics(r: StepResult) -> dict[str, float]:
         "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),
         "tokens/stale": sum(v < r.version - 1 for g in r.trained for s in g.samples
                             for v in s.versions),
+        # versions between the policy updated (r.version - 1) and its oldest trained token
+        "tokens/staleness_max": max((r.version - 1 - v for g in r.trained for s in g.samples
+                                     for v in s.versions), default=0),
         "tokens/generated": n_gen, "tokens/decoded": r.decoded,
         "response/length_mean": n_gen / len(samples),
         "samples/total": len(samples),
         "samples/truncated": sum(s.status == Status.TRUNCATED for s in samples),
         "perf/gen_tokens_per_s": r.decoded / max(r.seconds["gen"], 1e-9),
         "perf/step_seconds": r.seconds["step"], "policy/version": r.version,
+        **({"perf/wait_seconds": r.seconds["wait"]} if "wait" in r.seconds else {}),
     }

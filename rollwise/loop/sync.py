@@ -14,6 +14,7 @@ import json
 import random
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ class Run:
         self.store = RolloutStore(self.dir / "rollouts", log=progress.log)  # repairs a crash
         self.totals = {"rollouts": 0, "tokens_generated": 0, "tokens_trained": 0,
                        "tokens_decoded": 0}  # decoded: profiled and pruned tokens too
-        self.current_step = 0
+        self.current_step = self.train_step = 0  # the step generating and the step training
         killpoint.instrument(self)  # crash tests only (ROLLWISE_KILL_AT)
 
     def evaluate(self) -> dict[str, float]:
@@ -137,14 +138,20 @@ class Run:
     def step(self, step: int) -> StepResult:
         """Generate -> Filter -> Control -> Replay, persist, train, sync: one pass."""
         assert self.engine.version == self.trainer.version, "engine holds stale weights"
-        t0, ledger, version = time.time(), Ledger(), self.trainer.version
+        return self.consume(self.produce(step))
+
+    def produce(self, step: int) -> StepResult:
+        """The rollout side of a step: select, generate, score, keep, persist; then Control and
+        Replay learn from every scored group. The asynchronous loop runs it ahead of the
+        trainer (rollwise.loop.async_); it never reads the trainer's weights."""
+        t0, ledger, version = time.time(), Ledger(), self.engine.version
         self.current_step, decoded0 = step, self.engine.tokens_generated
         want = self.cfg.control.prompts_per_step
         self.control.prepare(step, ledger)  # sGPO's profiling pass, once
         replayed = self.replay.take(want, version, self.rng)                   # Replay
         r = StepResult(step, [], [], ledger, version, 0,
                        replay=self.replay.metrics(replayed, want, version))
-        kept, dropped, want = [], [], want - len(replayed)
+        kept, want = [], want - len(replayed)
         for n in self.control.rounds(want, kept):                              # Control
             self.progress.phase("generate")
             groups = generate_round(self.engine, self.generator, self.control,  # Generate
@@ -154,25 +161,36 @@ class Run:
             self.extend(groups, r, ledger)  # DARS: more samples for hard prompts
             r.scored += groups
             for g in groups:
-                (kept if keep(self.filter, g, ledger) else dropped).append(g)
+                (kept if keep(self.filter, g, ledger) else r.dropped).append(g)
         r.trained = self.control.trim(kept, want, ledger) + replayed
         # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
         # carry tokens decoded in earlier steps and leave some of this step's in flight
         r.decoded = self.engine.tokens_generated - decoded0
+        if hasattr(self.engine, "metrics"):  # Ray's pool: worker deaths, re-queued requests
+            r.engine = self.engine.metrics()
         r.seconds["gen"] = time.time() - t0
         self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
-        getattr(self.engine, "sleep", lambda: None)()  # a GPU shared with the trainer (vLLM)
-        self.progress.phase("train")
-        t1 = time.time()
-        r.train = self.trainer.update(r.trained, dropped)                      # train
-        r.seconds["train"], r.version = time.time() - t1, self.trainer.version
-        self.progress.phase("sync")
-        r.sync = self.sync.push()                                              # sync
         self.control.observe(r.scored, step)  # Control and Replay learn from every scored group
         r.control = self.control.metrics()
         self.replay.put(r.scored)
+        r.seconds["produce_end"] = time.time()
+        return r
+
+    def consume(self, r: StepResult, push=None) -> StepResult:
+        """The trainer's side of a step: update on the kept groups, then push the new weights
+        (`push`: how, when the engine is shared with a running producer)."""
+        t1 = time.time()
+        self.train_step = r.step
+        getattr(self.engine, "sleep", lambda: None)()  # a GPU shared with the trainer (vLLM)
+        self.progress.phase("train")
+        r.train = self.trainer.update(r.trained, r.dropped)                    # train
+        r.seconds["train"], r.version = time.time() - t1, self.trainer.version
+        self.progress.phase("sync")
+        r.sync = (push or self.sync.push)()                                    # sync
         self.count(r)
-        r.seconds["step"] = time.time() - t0
+        # the step's wall time: its generation plus its own training (they overlap with other
+        # steps' work in the asynchronous loop)
+        r.seconds["step"] = r.seconds["gen"] + time.time() - t1
         return r
 
     def extend(self, groups: list[Group], r: StepResult, ledger: Ledger) -> None:
@@ -256,7 +274,9 @@ class Run:
         state = checkpoint.load()
         self.load_state_dict(state)
         ckpt.clean(self.dir, checkpoint.step)
-        self.store.truncate(checkpoint.step)
+        # an asynchronous run's checkpoint holds steps generated (and stored) but not trained
+        queued = [r.step for r in state["loop"].get("queued", [])]
+        self.store.truncate(max([checkpoint.step, *queued]))
         self.current_step = checkpoint.step
         return state["loop"]
 
@@ -287,23 +307,36 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
         sinks = build_sinks(cfg, run.dir, log=progress.log, resume_step=found.step)
     progress.take_phase_seconds()  # warm start and first eval are not step 1's phases
     every, stopped = cfg.run.checkpoint_every, None
+    queued = [] if found is None else loop.get("queued", [])
+    pipeline = None
+    if cfg.loop.mode == "async":
+        from rollwise.loop.async_ import Pipeline
+        pipeline = Pipeline(run, cfg.loop.max_staleness, cfg.loop.wait_timeout_s, queued)
+        steps, idle = pipeline.steps(run.current_step + 1, cfg.train.steps), pipeline.idle
+    else:
+        steps, idle = sync_steps(run, run.current_step + 1, cfg.train.steps, queued), nullcontext
     with ckpt.StopOnInterrupt(progress.log) as stop:
-        for step in range(run.current_step + 1, cfg.train.steps + 1):
-            m = step_metrics(run.step(step))
+        for r in steps:
+            step, m = r.step, step_metrics(r)
             if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
                 progress.phase("eval")
-                last_eval = run.evaluate()
+                with idle():
+                    last_eval = run.evaluate()
                 m.update(last_eval)
             m.update(progress.take_phase_seconds())
             m["wall_seconds"] = time.time() - wall0
             sinks.write(step, m)
             progress.step(step, m)
             if stop.requested or step == cfg.train.steps or (every and step % every == 0):
-                run.checkpoint(step, {"start_eval": start, "last_eval": last_eval,
-                                      "wall": m["wall_seconds"]})
+                with idle():
+                    run.checkpoint(step, {"start_eval": start, "last_eval": last_eval,
+                                          "wall": m["wall_seconds"],
+                                          "queued": pipeline.queued() if pipeline else []})
             if stop.requested and step < cfg.train.steps:
                 stopped = step
                 break
+        if pipeline is not None:
+            pipeline.close()
     sinks.close()
     progress.close()
     if stopped is not None:
@@ -323,6 +356,14 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
     progress.log(f"done in {summary['wall_seconds']:.0f}s: pass@1 {summary['eval_pass1_start']:.3f}"
                  f" -> {summary['eval_pass1_end']:.3f}; summary in {run.dir / 'summary.json'}")
     return summary
+
+
+def sync_steps(run: Run, first: int, last: int, queued: list[StepResult]):
+    """The synchronous loop's steps; steps an asynchronous run produced before its checkpoint
+    (`queued`) are trained as they were generated."""
+    ready = {r.step: r for r in queued}
+    for step in range(first, last + 1):
+        yield run.consume(ready.pop(step)) if step in ready else run.step(step)
 
 
 def write_report_safely(run_dir: Path, log) -> None:

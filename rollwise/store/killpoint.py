@@ -60,7 +60,8 @@ def write_then_kill(f, data: bytes, phase: str, step: int) -> None:
 
 def instrument(run) -> None:
     """Arm the points inside parts this package does not own: the engine's forward passes and
-    the optimizer. Only when the variable is set; reads run.current_step."""
+    the optimizer. Only when the variable is set; reads run.current_step (the step generating)
+    and run.train_step (the step training; the same step in the synchronous loop)."""
     if ENV not in os.environ:
         return
     points = _points()
@@ -76,4 +77,4 @@ def instrument(run) -> None:
         run.engine.step = step_then_maybe_kill
     if any(p == "train" for p, _ in points):
         run.trainer.optimizer.register_step_post_hook(
-            lambda *_: maybe_kill("train", run.current_step))
+            lambda *_: maybe_kill("train", run.train_step))

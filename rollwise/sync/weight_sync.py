@@ -116,6 +116,10 @@ def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
     """The weight sync `cfg` asks for between this trainer and this engine (an in-process
     `Engine`, an `EngineProcess` or a vLLM engine; rollwise.engine.backends.build_engine)."""
     from rollwise.sync.engine_proc import WIRES, EngineProcess
+    if hasattr(engine, "sync_transport"):  # Ray's worker pool: one object-store put per payload
+        return WeightSync(trainer, engine.sync_transport(), mode=cfg.mode,
+                          with_checksum=cfg.checksum, check=cfg.check, bucket_mb=cfg.bucket_mb,
+                          coding=cfg.coding)
     in_child = isinstance(engine, EngineProcess)
     wire = WIRES.get(cfg.transport)
     if in_child != (wire is not None) or (in_child and engine.wire != wire):

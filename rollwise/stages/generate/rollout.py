@@ -11,6 +11,7 @@ far, so a paused sample resumes where it stopped, under the weights of the momen
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Callable
 
 from rollwise.engine import Completion, Event, Request, SamplingParams
@@ -105,9 +106,11 @@ class Rollout:
         """Step the engine until every request ended or a decision ended the round; then the
         round's unfinished requests are paused (or aborted) as that decision says. Running it
         again continues what was added since (nothing, once a decision ended the round)."""
+        gate = getattr(self.engine, "gate", None)  # the asynchronous loop's (loop/async_.py)
         while self._stop is None and self.engine.has_unfinished():
-            for ev in self.engine.step():
-                self._event(ev, on_event)
+            with gate.shared() if gate is not None else nullcontext():
+                for ev in self.engine.step():  # no weight push between a step and its events
+                    self._event(ev, on_event)
         if self._stop is not None and self._owner:
             live = list(self._owner)
             for seq_id in live:

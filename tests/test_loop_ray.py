@@ -1,0 +1,116 @@
+"""loop.backend=ray (rollwise/loop/ray.py): rollout workers as Ray actors. One worker at seed 0
+is the in-process engine bit for bit; workers killed with SIGKILL (or frozen past the timeout) at
+random points lose no rollout and repeat none, and the metrics count the re-queued requests;
+workers join and leave mid-run; weights reach every worker through one object-store put."""
+
+import contextlib
+import os
+import random
+import signal
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rollwise.bench.crash import metric_rows, store_rows, weights  # noqa: E402
+from rollwise.config import load_config  # noqa: E402
+from rollwise.loop.metrics import step_metrics  # noqa: E402
+from rollwise.loop.sync import Run, train  # noqa: E402
+from rollwise.report.progress import Progress  # noqa: E402
+from tests.test_crash_resume import SMALL  # noqa: E402
+
+RAY = ["loop.backend=ray"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_one_worker_is_the_in_process_engine_bit_for_bit(tmp_path):
+    common = SMALL + [f"run.root={tmp_path}", "train.steps=3"]
+    train(load_config(None, common + ["run.name=local"]))
+    train(load_config(None, common + RAY + ["loop.rollout_workers=1", "run.name=ray"]))
+    a, b = tmp_path / "local", tmp_path / "ray"
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("workers/")}  # noqa
+                         for r in rows]
+    assert drop(metric_rows(a)) == drop(metric_rows(b))
+    assert store_rows(a) == store_rows(b)
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+
+
+def _run(tmp_path, extra=()):
+    cfg = load_config(None, SMALL + RAY + [f"run.root={tmp_path}", "train.steps=4",
+                                           "sync.mode=sparse", *extra])
+    return Run(cfg, Progress("quiet", cfg.train.steps)), cfg
+
+
+def _check_store(run, cfg, steps):
+    rows = run.store.read().to_pylist()
+    uids = [r["uid"] for r in rows]
+    assert len(uids) == len(set(uids))  # none stored twice
+    per_step = {s: sum(r["step"] == s for r in rows) for s in range(1, steps + 1)}
+    want = cfg.control.prompts_per_step * cfg.generate.group_size
+    assert per_step == {s: want for s in per_step}  # none lost
+    for r in rows:
+        n = len(r["response_ids"])
+        assert 0 < n <= cfg.generate.max_new_tokens
+        assert len(r["logprobs"]) == len(r["versions"]) == n
+        assert r["status"] in ("completed", "truncated")
+
+
+def test_workers_killed_at_random_points_lose_and_repeat_no_rollout(tmp_path):
+    run, cfg = _run(tmp_path, ["loop.rollout_workers=2"])
+    pool, rng = run.engine, random.Random(0)
+    step_calls = {"n": 0}
+    kill_at = set(rng.sample(range(2, 40), 4))
+    inner = pool.step
+
+    def step_with_kills():
+        step_calls["n"] += 1
+        if step_calls["n"] in kill_at:
+            key = rng.choice(sorted(pool.workers))
+            os.kill(pool.pids()[key], signal.SIGKILL)
+        return inner()
+    pool.step = step_with_kills
+    metrics = [step_metrics(run.step(s)) for s in range(1, 5)]
+    assert pool.counts["worker_deaths"] >= 1
+    assert sum(m["workers/requeued"] for m in metrics[-1:]) == pool.counts["requeued"] > 0
+    assert len(pool.workers) == 2  # each dead worker was replaced
+    _check_store(run, cfg, 4)
+    # every worker holds the trainer's weights after the last sync, bit for bit
+    run.sync.compare()
+
+
+def test_a_frozen_worker_times_out_and_its_requests_go_elsewhere(tmp_path):
+    run, cfg = _run(tmp_path, ["loop.rollout_workers=2", "loop.wait_timeout_s=3"])
+    pool = run.engine
+    run.step(1)
+    frozen = pool.pids()[0]
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        run.step(2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the pool has killed it already
+            os.kill(frozen, signal.SIGKILL)
+    assert pool.counts["worker_deaths"] == 1 and 0 not in pool.workers
+    _check_store(run, cfg, 2)
+
+
+def test_workers_join_and_leave_mid_run(tmp_path):
+    run, cfg = _run(tmp_path, ["loop.rollout_workers=2"])
+    pool = run.engine
+    run.step(1)
+    new = pool.join()  # replays the payloads since the last full one
+    run.step(2)
+    pool.leave(0)
+    pool.leave(new)
+    run.step(3)
+    assert sorted(pool.workers) == [1]
+    assert pool.counts == {"worker_deaths": 0, "requeued": 0, "joined": 3, "left": 2}
+    _check_store(run, cfg, 3)
+    run.sync.compare()
