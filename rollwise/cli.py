@@ -141,7 +141,8 @@ def cmd_report(args) -> int:
 
 def cmd_bench(args) -> int:
     try:
-        module = importlib.import_module(f"rollwise.bench.{args.name}")
+        name = {"async": "async_"}.get(args.name, args.name)  # `async` is a keyword
+        module = importlib.import_module(f"rollwise.bench.{name}")
     except ModuleNotFoundError:
         raise ConfigError(f"unknown benchmark {args.name!r}") from None
     return module.main(args.rest)

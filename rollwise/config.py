@@ -447,6 +447,9 @@ class CorrectionConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
+    world_size: int = Field(1, ge=1)
+    """Trainer ranks: >1 shards the model over that many processes with FSDP2 (gloo on CPU,
+    NCCL on GPU; rollwise/training/sharded.py), the micro-batches dealt out over them."""
     advantage: TrainAdvantageName = "grpo"
     """Advantage estimator (rollwise.training.advantages): grpo, dr_grpo, rloo, reinforce_pp,
     reinforce_pp_baseline, mc_grpo, gdpo, or 'package.module:function'."""

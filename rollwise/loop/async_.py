@@ -92,6 +92,13 @@ class Pipeline:
         self.run, self.eta, self.timeout = run, max_staleness, timeout_s
         self.gate = WeightGate()
         run.engine = GatedEngine(run.engine, self.gate)
+        cfg = getattr(run, "cfg", None)
+        if cfg is not None and cfg.filter.judge.model is None:  # a judge on the policy's
+            run.filter.attach_engine(run.engine, run.tokenizer)  # engine: gated as well
+        if cfg is not None and max_staleness > 0 and cfg.train.correction.mode == "none":
+            run.progress.log(f"loop.max_staleness = {max_staleness} with train.correction.mode"
+                             f" = none: stale tokens are trained as if on-policy; set "
+                             f"train.correction.mode=tis (AReaL's decoupled objective)")
         if hasattr(run.control, "bind"):  # a learned controller reads the engine's weights,
             run.control.bind(policy=None)  # never the trainer's, which change under it
         self.cv = threading.Condition()

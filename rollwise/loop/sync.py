@@ -62,6 +62,15 @@ class Inputs:
     eval_rows: Any = None
 
 
+def build_trainer(cfg: Config, model, pad_id: int):
+    """One Trainer, or train.world_size FSDP2 ranks behind the same interface."""
+    if cfg.train.world_size == 1:
+        return Trainer(model, cfg.train, pad_id=pad_id, seed=cfg.run.seed)
+    from rollwise.training.sharded import ShardedTrainer
+    return ShardedTrainer(model, cfg.train, pad_id=pad_id, seed=cfg.run.seed,
+                          world_size=cfg.train.world_size, timeout_s=cfg.loop.wait_timeout_s)
+
+
 def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None = None):
     if inputs is not None and inputs.model is not None:
         progress.log(f"initial model: {type(inputs.model).__name__} given in Python")
@@ -108,8 +117,7 @@ class Run:
         (self.dir / "config.yaml").write_text(dump_config(cfg))
         model, self.tokenizer = initial_model(cfg, self.task, progress, inputs)
         model.to(self.device)
-        self.trainer = Trainer(model, cfg.train, pad_id=self.tokenizer.pad_token_id,
-                               seed=cfg.run.seed)
+        self.trainer = build_trainer(cfg, model, self.tokenizer.pad_token_id)
         self.engine = build_engine(cfg, model, self.tokenizer, self.dir)
         self.sync = build_sync(cfg.sync, self.trainer, self.engine)
         self.rng = random.Random(cfg.run.seed)
@@ -320,9 +328,11 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
             step, m = r.step, step_metrics(r)
             if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
                 progress.phase("eval")
+                t_eval = time.time()
                 with idle():
                     last_eval = run.evaluate()
                 m.update(last_eval)
+                m["perf/eval_seconds"] = time.time() - t_eval
             m.update(progress.take_phase_seconds())
             m["wall_seconds"] = time.time() - wall0
             sinks.write(step, m)
@@ -341,10 +351,12 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
     progress.close()
     if stopped is not None:
         getattr(run.engine, "close", lambda: None)()
+        getattr(run.trainer, "close", lambda: None)()
         progress.log(f"stopped after step {stopped} (checkpoint saved); continue with "
                      f"'rollwise train --resume {run.dir}'")
         return {"stopped_at": stopped, "run_dir": str(run.dir), **run.totals}
     getattr(run.engine, "close", lambda: None)()  # an engine in a child process
+    getattr(run.trainer, "close", lambda: None)()  # trainer ranks in child processes
     models.save(run.trainer.model, run.tokenizer, run.dir / "model")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
                "eval_start": start, "eval_end": last_eval, "steps": cfg.train.steps,

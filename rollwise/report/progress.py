@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 KEYS = [("reward", "reward/mean", "{:.3f}"), ("pass@1", "eval/pass1", "{:.3f}"),
@@ -91,7 +92,10 @@ class Progress:
         self._phase_t0 = now
 
     def phase(self, name: str) -> None:
-        """The loop enters phase `name`; the previous phase's time is booked."""
+        """The loop enters phase `name`; the previous phase's time is booked. Only the main
+        thread's phases are booked: the asynchronous loop's producer generates alongside."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         self._close_phase(time.time())
         self.current_phase = name
         if self._bar is not None:

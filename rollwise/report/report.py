@@ -166,7 +166,8 @@ SECTIONS = [
 ]
 
 
-def render(runs: list[RunData]) -> str:
+def render(runs: list[RunData], extra: list[str] = ()) -> str:
+    """The page; `extra`: HTML sections appended before the config (a bench's own plots)."""
     names = ", ".join(r.name for r in runs)
     body = [f"<h1>rollwise report: {html.escape(names)}</h1>",
             f"<div class='sub'>written {time.strftime('%Y-%m-%d %H:%M:%S')} from "
@@ -177,7 +178,7 @@ def render(runs: list[RunData]) -> str:
                  figure_html(plot(runs), title)]
         if plot is plots.token_flow:
             body.append(table_html(*token_rows(runs)))
-    body += ["<h2>Config</h2>", config_html(runs)]
+    body += [*extra, "<h2>Config</h2>", config_html(runs)]
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>rollwise report: {html.escape(names)}</title><style>{CSS}</style></head>"
             "<body>\n" + "\n".join(body) + "\n</body></html>\n")
@@ -191,12 +192,13 @@ def default_out(paths: list[Path]) -> Path:
     return common / "report-compare.html"
 
 
-def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None,
+                 extra: list[str] = ()) -> Path:
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
     paths = [Path(p) for p in run_dirs]
     out = Path(out) if out else default_out(paths)
-    page = render(load_runs(paths))
+    page = render(load_runs(paths), extra)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, out)

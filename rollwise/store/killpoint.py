@@ -75,6 +75,6 @@ def instrument(run) -> None:
                 maybe_kill("generate", s)
             return engine_step(*args, **kwargs)
         run.engine.step = step_then_maybe_kill
-    if any(p == "train" for p, _ in points):
+    if any(p == "train" for p, _ in points) and hasattr(run.trainer, "optimizer"):
         run.trainer.optimizer.register_step_post_hook(
             lambda *_: maybe_kill("train", run.train_step))

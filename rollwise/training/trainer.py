@@ -105,6 +105,7 @@ class Trainer:
         self._pack, self._pack_checked = cfg.pack_prompts, False  # off if the model disagrees
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch = None  # a model copy that snapshots are loaded into
+        self.shard: tuple[int, int] | None = None  # (rank, world): one rank of an FSDP2 trainer
 
     # ------------------------------------------------------------------ data preparation
 
@@ -236,6 +237,8 @@ class Trainer:
         are known before the old log-probs are (None: take no shortcut). The weights have not
         moved yet, so these rows' old log-probs are that step's own, detached."""
         cfg = self.cfg
+        if self.shard is not None:
+            return None  # each rank forwards its own share of the micro-batches
         if first_mb is None or advantages is None:
             return None  # advantages None: they (hence the moving rows) need the old log-probs
         if (cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb)) or \
@@ -446,17 +449,24 @@ class Trainer:
             if not torch.isin(moving, first[0]).all():
                 raise RuntimeError("trainer: the kept first pass misses a moving row")
             micros = (first[0],)  # its other rows are masked out: they add nothing
-        for micro in micros:
-            n = float(prep.mask[micro].sum())
-            if n == 0:
+        for micro, mine in self._share(micros):
+            n = float(prep.mask[micro].sum()) if mine else 0.0
+            if n == 0 and self.shard is None:
                 continue
             loss, m = self._micro_loss(prep, micro, num_tokens, num_seqs,
                                        first[1:] if first is not None else None)
-            loss.backward()
+            # a rank with fewer micro-batches runs padding passes (loss 0): FSDP2's collectives
+            # need the same number of forward and backward passes on every rank. FSDP2 averages
+            # the ranks' gradients; their losses are parts of one sum, hence the world factor.
+            (loss * (self.shard[1] if self.shard else 1) if mine else loss * 0).backward()
+            if n == 0:
+                continue
             total += loss.item()  # micro-batch losses sum to the minibatch loss
             counted += n
             for k, v in m.items():  # token-weighted means; maxima and minima as such
                 acc[k] = _combine(k, acc.get(k), v if k.endswith(("_max", "_min")) else v * n)
+        if self.shard is not None:
+            total, counted, acc = _gather_sums(total, counted, acc)
         out = {k: (v if k.endswith(("_max", "_min")) else v / counted) for k, v in acc.items()}
         if self.master:
             self.master.grads_to_master()
@@ -465,6 +475,8 @@ class Trainer:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm is a DTensor
+            grad_norm = grad_norm.full_tensor()
         if not math.isfinite(float(grad_norm)):
             raise FloatingPointError("non-finite gradient norm; lower train.lr")
         scale = self._lr_scale(prep.seq_log_w[idx], mask)
@@ -478,6 +490,16 @@ class Trainer:
             g["lr"] = lr
         out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)
         return out
+
+    def _share(self, micros: list) -> list[tuple[torch.Tensor, bool]]:
+        """(micro-batch, is it this rank's): all of them on one rank; on rank r of W, every
+        W-th from r, padded with passes over one row to the same count on every rank."""
+        if self.shard is None:
+            return [(m, True) for m in micros]
+        rank, world = self.shard
+        mine = [(m, True) for m in micros[rank::world]]
+        count = -(-len(micros) // world)
+        return mine + [(micros[0][:1], False)] * (count - len(mine))
 
     def _skips_zero_advantage(self) -> bool:
         cfg = self.cfg
@@ -532,6 +554,18 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def _gather_sums(total: float, counted: float, acc: dict[str, float]):
+    """The ranks' loss, token count and metric sums, combined (every rank gets the result)."""
+    import torch.distributed as dist
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (total, counted, acc))
+    out: dict[str, float] = {}
+    for _, _, a in parts:
+        for k, v in a.items():
+            out[k] = _combine(k, out.get(k), v)
+    return sum(p[0] for p in parts), sum(p[1] for p in parts), out
 
 
 def chosen_positions(samples: list[Sample], shape) -> torch.Tensor:

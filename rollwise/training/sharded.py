@@ -1,0 +1,254 @@
+"""train.world_size > 1: the trainer as N ranks, each a spawned process holding a shard of the
+model (FSDP2, `torch.distributed.fsdp.fully_shard`; gloo on CPU, NCCL on GPU).
+
+    trainer = ShardedTrainer(model, cfg.train, pad_id=tok.pad_token_id, world_size=2)
+    metrics = trainer.update(groups)     # every rank updates; the full weights come back
+    trainer.close()
+
+Every rank gets the whole step's groups and computes the same advantages, masks and old
+log-probabilities; the optimizer step's micro-batches are dealt out over the ranks, each loss
+normalized by the whole minibatch's counts and the gradients summed, so the update is the one
+rank's within float tolerance. Rank 0 gathers the full weights after each update into this
+process's model, from which the weight sync reads. A rank that dies stops the run with an error
+naming it; the run's last checkpoint is where `--resume` continues.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+
+import torch
+
+from rollwise.sync.engine_proc import _unwire, _wire
+
+
+class TrainerRankError(RuntimeError):
+    """A trainer rank died or failed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ShardedTrainer:
+    """The Trainer's interface (update, weights, version, state_dict) over FSDP2 ranks."""
+
+    def __init__(self, model, cfg, *, pad_id: int, seed: int = 0, world_size: int = 2,
+                 timeout_s: float = 1800.0):
+        if cfg.kl_coef > 0 or cfg.correction.snapshots > 0:
+            raise ValueError("train.world_size > 1 does not keep a reference model or "
+                             "snapshots yet: set train.kl_coef=0 and "
+                             "train.correction.snapshots=0, or train.world_size=1")
+        if next(model.parameters()).dtype != torch.float32:
+            raise ValueError("train.world_size > 1 trains float32 parameters: set "
+                             "model.dtype=float32 (the engine may still run sync.engine_dtype)")
+        self.model, self.cfg, self.version = model, cfg, 0
+        self.timeout, self.world = timeout_s, world_size
+        init = {"cls": type(model), "config": model.config, "cfg": cfg, "pad_id": pad_id,
+                "seed": seed, "world": world_size, "port": _free_port(),
+                "state": {k: _wire(v) for k, v in model.state_dict().items()}}
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, child, init), daemon=True,
+                               name=f"rollwise-trainer-{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._gather("start")
+
+    def update(self, groups, dropped=()) -> dict[str, float]:
+        replies = self._all("update", groups, list(dropped))
+        metrics, weights = replies[0]
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():
+                t.copy_(_unwire(weights[name]))
+        self.version += 1
+        return metrics
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        """Each rank's shards of the model and optimizer state, the scheduler, the version
+        and the full weights (a resume needs the same train.world_size)."""
+        return {"ranks": self._all("state"), "version": self.version,
+                "model": self.model.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["ranks"]) != self.world:
+            raise ValueError(f"this checkpoint was written by {len(state['ranks'])} trainer "
+                             f"ranks; resume it with train.world_size={len(state['ranks'])}")
+        for conn, rank_state in zip(self.conns, state["ranks"]):
+            self._send(conn, ("load", rank_state))
+        self._gather("load")
+        self.model.load_state_dict(state["model"])
+        self.version = state["version"]
+
+    # ---- plumbing --------------------------------------------------------------------------
+    def _all(self, cmd: str, *args):
+        for conn in self.conns:
+            self._send(conn, (cmd, *args))
+        return self._gather(cmd)
+
+    def _send(self, conn, message) -> None:
+        try:
+            conn.send(message)
+        except (BrokenPipeError, OSError) as e:
+            raise self._dead(self.conns.index(conn), message[0]) from e
+
+    def _gather(self, cmd: str) -> list:
+        """Every rank's reply to `cmd`; a rank that dies meanwhile (the others then wait in a
+        collective for it) or stays silent past the timeout stops the run, named."""
+        out, deadline = [], time.time() + self.timeout
+        for rank, conn in enumerate(self.conns):
+            while not conn.poll(0.2):
+                dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), None)
+                if dead is not None:
+                    raise self._dead(dead, cmd)
+                if time.time() > deadline:
+                    raise TrainerRankError(f"trainer rank {rank} did not finish '{cmd}' within "
+                                           f"{self.timeout:.0f}s (loop.wait_timeout_s)")
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError) as e:
+                raise self._dead(rank, cmd) from e
+            if reply[0] == "error":
+                raise TrainerRankError(f"trainer rank {rank} failed in '{cmd}': {reply[1]}")
+            out.append(reply[1])
+        return out
+
+    def _dead(self, rank: int, cmd: str) -> TrainerRankError:
+        self.procs[rank].join(timeout=5)
+        return TrainerRankError(f"trainer rank {rank} died during '{cmd}' (exit code "
+                                f"{self.procs[rank].exitcode}); the run stops here, resume "
+                                f"from its last checkpoint with 'rollwise train --resume RUN'")
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(("close",))
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.conns, self.procs = [], []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def build_rank(rank: int, init: dict):
+    """This rank's Trainer over its shard of the model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from rollwise.training.trainer import Trainer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(init["port"]))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=init["world"])
+    torch.set_num_threads(1)
+    model = init["cls"](init["config"])
+    model.load_state_dict({k: _unwire(v) for k, v in init["state"].items()})
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        model.cuda()
+    for layer in _blocks(model):
+        fully_shard(layer)
+    fully_shard(model)
+    trainer = Trainer(model, init["cfg"], pad_id=init["pad_id"], seed=init["seed"])
+    trainer.shard = (rank, init["world"])
+    return trainer
+
+
+def _blocks(model) -> list:
+    """The transformer blocks (each its own FSDP unit): a Hugging Face model's layer list."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            return list(obj)
+    return []
+
+
+def _full_weights(model) -> dict:
+    out = {}
+    for k, v in model.state_dict().items():
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective: every rank
+        out[k] = _wire(full.detach().cpu())
+    return out
+
+
+def _rank_main(rank: int, conn, init: dict) -> None:
+    try:
+        trainer = build_rank(rank, init)
+        conn.send(("ok", None))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if cmd == "close":
+            break
+        try:
+            if cmd == "update":
+                metrics = trainer.update(*args)
+                weights = _full_weights(trainer.model)
+                out = (metrics, weights) if rank == 0 else None
+            elif cmd == "state":
+                out = _rank_state(trainer)
+            elif cmd == "load":
+                _load_rank_state(trainer, args[0])
+                out = None
+            else:
+                raise ValueError(f"unknown trainer-rank command {cmd!r}")
+            conn.send(("ok", out))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _rank_state(trainer) -> dict:
+    """This rank's shards of the model and the optimizer state, as plain tensors, and the
+    scheduler and version."""
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa
+    opt = trainer.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {"model": {k: local(v) for k, v in trainer.model.state_dict().items()},
+            "optimizer": [{k: local(v) for k, v in opt.state.get(p, {}).items()}
+                          for p in params],
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "scheduler": trainer.scheduler.state_dict(), "version": trainer.version}
+
+
+def _load_rank_state(trainer, state: dict) -> None:
+    """_rank_state's result written back in place (a fresh rank gets its optimizer state)."""
+    from torch.distributed.tensor import DTensor
+    with torch.no_grad():
+        for k, v in trainer.model.state_dict().items():
+            (v.to_local() if hasattr(v, "to_local") else v).copy_(state["model"][k])
+    opt = trainer.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p, saved in zip(params, state["optimizer"]):
+        opt.state[p] = {k: DTensor.from_local(v.clone(), p.device_mesh, p.placements)
+                        if isinstance(p, DTensor) and v.dim() > 0 else v.clone()
+                        for k, v in saved.items()}
+    for g, saved in zip(opt.param_groups, state["groups"]):
+        g.update(saved)
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.version = state["version"]

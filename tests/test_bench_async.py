@@ -1,0 +1,52 @@
+"""rollwise bench async: the measurements (evaluation time excluded), the cost model against its
+closed form, and a tiny end-to-end run with its JSON keys and report section."""
+
+import json
+
+import pytest
+
+from rollwise.bench import async_ as bench
+from tests.test_crash_resume import SMALL
+
+
+def test_measure_excludes_evaluation_time():
+    rows = [{"step": 0, "wall_seconds": 5.0, "perf/eval_seconds": 2.0, "eval/pass1": 0.1},
+            *({"step": s, "wall_seconds": 5.0 + 3 * s + (2.0 if s >= 2 else 0.0),
+               "train/tokens": 100.0, "perf/gen_seconds": 1.0, "perf/train_seconds": 2.0,
+               "sync/full_bytes": 1000.0, "sync/bytes": 10.0, "sync/seconds": 0.01,
+               "sync/sparse": 1.0, **({"perf/eval_seconds": 2.0, "eval/pass1": 0.9}
+                                      if s == 2 else {})} for s in (1, 2, 3))]
+    m = bench.measure(rows, target=0.8)
+    # 3 steps of 3 s each once both evaluations (2 s each) are taken out
+    assert m["seconds"] == pytest.approx(9.0)
+    assert m["tokens_per_s"] == pytest.approx(300 / 9.0)
+    assert m["seconds_to_target"] == pytest.approx(6.0) and m["reached"]
+
+
+def test_cost_model_matches_its_closed_form():
+    assert bench._line([(0, 1.0), (10, 3.0), (20, 5.0)]) == pytest.approx((1.0, 0.2))
+    model = {"gen_s": 4.0, "train_s": 1.0, "sync_a": 0.5, "sync_b": 1e-3, "full_bytes": 1000,
+             "sparse_bytes": 100, "worker_overhead_s": 0.25, "tokens_per_step": 600}
+    curves = bench.simulate(model, [1, 2, 8])
+    assert curves["sync/full"][0] == pytest.approx(600 / (4 + 1 + 1.5))
+    assert curves["async/full"][0] == pytest.approx(600 / 4)
+    assert curves["sync/sparse"][1] == pytest.approx(600 / (2.25 + 1 + 0.6))
+    # many workers: asynchronous training runs at the trainer's own rate
+    assert curves["async/sparse"][2] == pytest.approx(600 / 1.6)
+    for name, ys in curves.items():
+        assert ys == sorted(ys), name
+    assert all(a >= s for a, s in zip(curves["async/full"], curves["sync/full"]))
+
+
+def test_tiny_end_to_end(tmp_path, capsys):
+    small = [o for o in SMALL if not o.startswith(("train.steps", "run.", "filter.reward"))]
+    argv = ["--seeds", "0", "--steps", "4", "--eval-every", "2", "--target", "0",
+            "--arms", "sync", "async1", "--root", str(tmp_path), "--json", *small,
+            "filter.reward=tests.test_crash_resume:parity"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    assert {"async_speedup", "async_pass1_delta", "cost_model", "arms"} <= set(data)
+    assert data["arms"]["async1"]["staleness_max"] <= 1
+    assert len(data["cost_model"]["tokens_per_s"]["async/sparse"]) == len(bench.WORKERS)
+    assert "Cost model" in (tmp_path / "async_report.html").read_text()
