@@ -24,15 +24,15 @@ def test_measure_excludes_evaluation_time():
 
 
 def test_cost_model_matches_its_closed_form():
-    assert bench._line([(0, 1.0), (10, 3.0), (20, 5.0)]) == pytest.approx((1.0, 0.2))
-    model = {"gen_s": 4.0, "train_s": 1.0, "sync_a": 0.5, "sync_b": 1e-3, "full_bytes": 1000,
+    assert bench._per_byte([(10, 1.0), (20, 2.0), (40, 4.0)]) == pytest.approx(0.1)
+    model = {"gen_s": 4.0, "train_s": 1.0, "sync_s_per_byte": 1.5e-3, "full_bytes": 1000,
              "sparse_bytes": 100, "worker_overhead_s": 0.25, "tokens_per_step": 600}
     curves = bench.simulate(model, [1, 2, 8])
     assert curves["sync/full"][0] == pytest.approx(600 / (4 + 1 + 1.5))
     assert curves["async/full"][0] == pytest.approx(600 / 4)
-    assert curves["sync/sparse"][1] == pytest.approx(600 / (2.25 + 1 + 0.6))
+    assert curves["sync/sparse"][1] == pytest.approx(600 / (2.25 + 1 + 0.15))
     # many workers: asynchronous training runs at the trainer's own rate
-    assert curves["async/sparse"][2] == pytest.approx(600 / 1.6)
+    assert curves["async/sparse"][2] == pytest.approx(600 / 1.15)
     for name, ys in curves.items():
         assert ys == sorted(ys), name
     assert all(a >= s for a, s in zip(curves["async/full"], curves["sync/full"]))

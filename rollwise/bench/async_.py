@@ -93,30 +93,27 @@ def measure(rows: list[dict], target: float) -> dict:
 # ---- the cost model ----------------------------------------------------------------------------
 
 def fit_cost_model(results: list[dict]) -> dict:
-    """Per-step generation and training seconds (medians of the sync arm), sync seconds as
-    a + b * bytes (least squares over every push of the sync arm: the first is full, the rest
-    sparse), and the Ray arm's per-step overhead over an even split of generation."""
+    """Per-step generation and training seconds (medians of the sync arm), sync seconds per
+    byte (least squares through the origin over every push of the sync arm: the first is
+    full, the rest sparse), and the Ray arm's per-step overhead over an even split of
+    generation."""
     sync = [r for r in results if r["arm"] == "sync"]
     gen = statistics.median(r["gen_s"] for r in sync)
     train = statistics.median(r["train_s"] for r in sync)
-    pushes = [(b, s) for r in sync for b, s, _ in r["syncs"]]
-    a, b = _line(pushes)
+    b = _per_byte([(b, s) for r in sync for b, s, _ in r["syncs"]])
     sparse = statistics.median(b_ for r in sync for b_, _, sp in r["syncs"] if sp) if any(
         sp for r in sync for *_, sp in r["syncs"]) else None
     ray = [r for r in results if r["arm"] == "ray2"]
     overhead = max(0.0, statistics.median(r["gen_s"] for r in ray) - gen / 2) if ray else 0.0
-    return {"gen_s": gen, "train_s": train, "sync_a": a, "sync_b": b,
+    return {"gen_s": gen, "train_s": train, "sync_s_per_byte": b,
             "full_bytes": sync[0]["full_bytes"], "sparse_bytes": sparse,
             "worker_overhead_s": overhead,
             "tokens_per_step": statistics.median(r["tokens_per_step"] for r in sync)}
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
-    return max(my - b * mx, 0.0), max(b, 0.0)
+def _per_byte(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope through the origin of seconds against bytes."""
+    return sum(x * y for x, y in points) / max(sum(x * x for x, _ in points), 1e-30)
 
 
 def simulate(model: dict, workers: list[int] = WORKERS) -> dict[str, list[float]]:
@@ -125,7 +122,7 @@ def simulate(model: dict, workers: list[int] = WORKERS) -> dict[str, list[float]
     for kind in ("full", "sparse"):
         nbytes = model["full_bytes"] if kind == "full" else (model["sparse_bytes"]
                                                             or model["full_bytes"])
-        push = model["sync_a"] + model["sync_b"] * nbytes
+        push = model["sync_s_per_byte"] * nbytes
         for loop in ("sync", "async"):
             tps = []
             for w in workers:
@@ -150,8 +147,8 @@ def cost_model_html(model: dict, curves: dict[str, list[float]]) -> str:
     ax.set_ylabel("trained tokens / s (model)")
     ax.legend(fontsize=8)
     note = (f"Fitted per step: generation {model['gen_s']:.3f} s on one worker, training "
-            f"{model['train_s']:.3f} s, sync {model['sync_a'] * 1e3:.2f} ms + "
-            f"{model['sync_b'] * 1e9:.2f} ns/byte (full {model['full_bytes']:.0f} B, sparse "
+            f"{model['train_s']:.3f} s, sync {model['sync_s_per_byte'] * 1e9:.2f} ns/byte "
+            f"(full {model['full_bytes']:.0f} B, sparse "
             f"{model['sparse_bytes'] or 0:.0f} B), worker overhead "
             f"{model['worker_overhead_s'] * 1e3:.1f} ms per step. Asynchronous throughput "
             f"stops at the trainer's rate once generation is spread thin enough.")
@@ -195,14 +192,20 @@ def main(argv: list[str]) -> int:
                    "default config's SFT, trained and cached)")
     p.add_argument("--root", default="runs/bench-async")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--replot", action="store_true", help="no runs: summarize, fit and plot "
+                   "the runs already in <root>/runs.jsonl")
     p.add_argument("overrides", nargs="*", help="key=value for every arm")
     a = p.parse_args(argv)
-    init = a.init or warm_start_folder(None, BENCH_RUN + a.overrides, a.root)
-    jobs = [(arm, s, init, a.root, a.steps, a.eval_every, a.target, a.overrides)
-            for s in a.seeds for arm in a.arms]
-    t0 = time.time()
-    results, failed = execute(run_arm, jobs, 1, Path(a.root) / "runs.jsonl",
-                              lambda j: {"arm": j[0], "seed": j[1]})
+    t0, log = time.time(), Path(a.root) / "runs.jsonl"
+    if a.replot:
+        results = [json.loads(line) for line in log.read_text().splitlines()]
+        failed = [r for r in results if "error" in r]
+        results = [r for r in results if "error" not in r]
+    else:
+        init = a.init or warm_start_folder(None, BENCH_RUN + a.overrides, a.root)
+        jobs = [(arm, s, init, a.root, a.steps, a.eval_every, a.target, a.overrides)
+                for s in a.seeds for arm in a.arms]
+        results, failed = execute(run_arm, jobs, 1, log, lambda j: {"arm": j[0], "seed": j[1]})
     out = summarize(results) if results else {"arms": {}}
     if any(r["arm"] == "sync" for r in results):
         model = fit_cost_model(results)
