@@ -219,6 +219,18 @@ class GenerateConfig(Section):
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
     max_new_tokens: int = Field(8, gt=0)
+    """Tokens per response; per model turn in an agent episode."""
+    env: str | None = None
+    """generate.strategy=episode: the environment, by name (tools) or
+    'package.module:factory' called as factory(cfg, problem) (rollwise.agents.env)."""
+    tools: list[str] = []
+    """The tools an episode's environment offers: calculator, python, or
+    'package.module:function' (a typed function with a docstring)."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per agent episode."""
+    max_episode_tokens: int | None = Field(None, gt=0)
+    """Tokens per agent episode, the environment's included; None: max_new_tokens x
+    max_turns."""
     latr: LatrConfig = LatrConfig()
     echo: EchoConfig = EchoConfig()
 

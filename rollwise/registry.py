@@ -38,7 +38,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     "verifier": {n: "rollwise.stages.filter.stage:build_" + m for n, m in (
         ("exact", "exact"), ("math", "math"), ("math_verify", "math"), ("gym", "gym"),
         ("code", "code"), ("format", "format"), ("length", "length"), ("judge", "judge"),
-        ("majority", "majority"))},
+        ("majority", "majority"), ("env", "env"))},
     # factory(cfg) -> Selector
     "selector": {"uniform": "rollwise.stages.control.select_uniform:UniformSelector.build",
                  "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",
@@ -46,7 +46,10 @@ BUILTIN: dict[str, dict[str, str]] = {
     # factory(cfg, tokenizer) -> Generator
     "generator": {"group": "rollwise.stages.generate.group:GroupGenerator",
                   "latr": "rollwise.stages.generate.latr:LatrGenerator",
-                  "echo": "rollwise.stages.generate.echo:EchoGenerator"},
+                  "echo": "rollwise.stages.generate.echo:EchoGenerator",
+                  "episode": "rollwise.agents.episode:EpisodeGenerator"},
+    # factory(cfg, problem) -> Environment (rollwise.agents.env), one per episode
+    "env": {"tools": "rollwise.agents.env:ToolEnv"},
     # factory(cfg) -> InflightController
     "inflight": {"none": "rollwise.stages.control.inflight:RunToEnd",
                  "april": "rollwise.stages.control.april:April",

@@ -27,6 +27,12 @@ class StepResult:
     seconds: dict[str, float] = field(default_factory=dict)  # gen, train, step
 
 
+def trained_versions(r: StepResult) -> list[int]:
+    """The policy version of every token trained on (an environment's tokens are not)."""
+    return [v for g in r.trained for s in g.samples
+            for v, m in zip(s.versions, s.loss_mask) if m]
+
+
 def step_metrics(r: StepResult) -> dict[str, float]:
     samples = [s for g in r.scored for s in g.samples]
     n_gen = sum(s.num_tokens for s in samples)
@@ -41,11 +47,10 @@ def step_metrics(r: StepResult) -> dict[str, float]:
         "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),
         "groups/scored": len(r.scored), "groups/trained": len(r.trained),
         "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),
-        "tokens/stale": sum(v < r.version - 1 for g in r.trained for s in g.samples
-                            for v in s.versions),
+        "tokens/stale": sum(v < r.version - 1 for v in trained_versions(r)),
         # versions between the policy updated (r.version - 1) and its oldest trained token
-        "tokens/staleness_max": max((r.version - 1 - v for g in r.trained for s in g.samples
-                                     for v in s.versions), default=0),
+        "tokens/staleness_max": max((r.version - 1 - v for v in trained_versions(r)),
+                                    default=0),
         "tokens/generated": n_gen, "tokens/decoded": r.decoded,
         "response/length_mean": n_gen / len(samples),
         "samples/total": len(samples),

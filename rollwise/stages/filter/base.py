@@ -25,6 +25,7 @@ class Item:
     answer: str | None = None  # what the configured extractor found in `text`
     num_tokens: int = 0
     group: int = 0  # samples with the same value are one prompt's group
+    meta: dict = field(default_factory=dict)  # the sample's meta (an episode's env reward)
 
 
 @dataclass

@@ -26,6 +26,30 @@ class ExactVerifier:
         return {}
 
 
+class EnvRewardVerifier:
+    """An agent episode's reward, as its environment gave it (rollwise.agents.episode);
+    an environment that failed fails the sample with its reason."""
+
+    isolated = False
+    name = "env"
+
+    def score(self, items: list[Item]) -> list[Verdict]:
+        out = []
+        for it in items:
+            if "env_error" in it.meta:
+                out.append(Verdict.failure("env_error", it.meta["env_error"]))
+            elif "env_reward" not in it.meta:
+                out.append(Verdict.failure("env_error", "not an agent episode: filter.reward="
+                                           "env needs generate.strategy=episode"))
+            else:
+                out.append(Verdict({self.name: float(it.meta["env_reward"])},
+                                   f"turns={it.meta.get('turns')}"))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
 class TaskScoreVerifier:
     """Delegates to `task.score_fn(response, problem)` (kept in-process: it holds the task)."""
 

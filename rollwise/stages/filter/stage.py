@@ -39,6 +39,11 @@ def build_exact(cfg, task) -> Verifier:
     return TaskScoreVerifier(task) if getattr(task, "score_fn", None) else ExactVerifier()
 
 
+def build_env(cfg, task) -> Verifier:
+    from rollwise.stages.filter.exact import EnvRewardVerifier
+    return EnvRewardVerifier()
+
+
 def build_math(cfg, task) -> Verifier:
     from rollwise.stages.filter.math_verifier import MathVerifier
     return MathVerifier(cfg.timeout_s)
@@ -117,7 +122,8 @@ class FilterStage:
             gid = getattr(s, "group_id", None) or getattr(s, "prompt_id", None)
             if gid != last:
                 group, last = group + 1, gid
-            out.append(Item(text, p, None, getattr(s, "num_tokens", 0), group))
+            out.append(Item(text, p, None, getattr(s, "num_tokens", 0), group,
+                            dict(getattr(s, "meta", None) or {})))
         return out
 
     def verdicts(self, items: list[Item]) -> list[dict[str, Verdict]]:

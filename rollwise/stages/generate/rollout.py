@@ -63,6 +63,18 @@ class Rollout:
         for s in samples:
             self._submit(group, s, params)
 
+    def requeue(self, group: Group, samples: list[Sample],
+                 params: SamplingParams | None = None) -> None:
+        """Queue finished samples of a group of this round again, from where they stand (an
+        agent episode's next turn, after the environment's tokens were appended)."""
+        if not samples:
+            return
+        if self._pending[id(group)] == 0:
+            self.completed.remove(group)
+        self._pending[id(group)] += len(samples)
+        for s in samples:
+            self._submit(group, s, params)
+
     def fork(self, sample: Sample, n: int, reason: str,
              tokens: list[int] | None = None) -> list[Sample]:
         """n children of a live sample, sharing its prefix, added to its group; with `tokens`,
@@ -127,10 +139,15 @@ class Rollout:
     # ---- the driver --------------------------------------------------------------------------
     def _submit(self, group: Group, s: Sample, params: SamplingParams | None = None) -> None:
         params = params or self.params
-        if s.num_tokens:  # resumed: only what is left of the budget
+        # an agent episode's budget is per turn (rollwise.agents.episode): its tokens count from
+        # the turn's start, against the turn's own budget
+        start = s.meta.get("turn_start", 0)
+        budget = s.meta.get("turn_budget", params.max_new_tokens)
+        if s.num_tokens > start:  # resumed: only what is left of the budget
             s.meta["resumed"] = s.meta.get("resumed", 0) + 1
+        if s.num_tokens > start or budget != params.max_new_tokens:
             params = dataclasses.replace(params,
-                                         max_new_tokens=params.max_new_tokens - s.num_tokens)
+                                         max_new_tokens=budget - (s.num_tokens - start))
         s.status = Status.RUNNING
         seq_id = self.engine.add(Request(s.prompt_ids + s.response_ids, params, s.uid))
         self._owner[seq_id] = (group, s, s.num_tokens)

@@ -1,0 +1,158 @@
+"""Multi-turn agent episodes as a Generator (generate.strategy=episode, generate.env=NAME).
+
+Each sample of a group is one episode with its own environment. Turns are generated for every
+live episode at once (one rollout round per turn, through the shared rollout driver, so
+in-flight control and the engine's batching apply). After a turn, the environment reads the
+model's text and answers; its observation becomes tokens through the chat template
+(rollwise.agents.turns) and is appended with loss mask 0, behaviour log-probability 0 and
+version -1 (no policy sampled it), while every model token keeps its own log-probability and
+version. The next turn's request is the episode so far (the engine prefills what it does not
+hold; `agent/prefill_tokens` counts those tokens).
+
+Limits: generate.max_turns model turns, generate.max_new_tokens per turn,
+generate.max_episode_tokens per episode. An environment that raises ends its episode
+(status failed, the reason in meta['env_error']); the run goes on. The episode's reward (the
+sum of the environment's rewards) is in meta['env_reward'] for filter.reward=env.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollwise.agents.env import as_message, build_env_factory
+from rollwise.agents.turns import turns_for
+from rollwise.stages.generate.group import new_sample
+from rollwise.types import Group, Sample, Status
+
+
+@dataclass
+class Episode:
+    sample: Sample
+    env: object
+    group: Group
+    messages: list[dict]
+    turns: int = 0
+    done: bool = False
+    pieces: list[Sample] = field(default_factory=list)  # earlier samples of a split episode
+
+
+class EpisodeGenerator:
+    def __init__(self, cfg, tokenizer):
+        g = cfg.generate
+        if not g.env:
+            raise ValueError("generate.strategy=episode needs an environment: set "
+                             "generate.env (e.g. tools, or 'package.module:factory')")
+        self.tokenizer, self.group_size = tokenizer, g.group_size
+        self.max_turns, self.turn_tokens = g.max_turns, g.max_new_tokens
+        self.episode_tokens = g.max_episode_tokens or g.max_new_tokens * g.max_turns
+        self.make_env = build_env_factory(cfg)
+        self.turns = turns_for(tokenizer)
+        self.metrics = {"agent/turns": 0.0, "agent/episodes": 0.0, "agent/splits": 0.0,
+                        "agent/env_errors": 0.0, "agent/prefill_tokens": 0.0}
+
+    def generate(self, rollout, problems, step: int) -> None:
+        episodes = []
+        for p in problems:
+            group = Group(p.id, [], p)
+            for _ in range(p.group_size or self.group_size):
+                episodes.append(self._start(p, group, step))
+            rollout.add(group)
+        self.metrics["agent/episodes"] += len(episodes)
+        while True:
+            rollout.run()
+            again: dict[int, tuple[Group, list[Sample]]] = {}
+            for e in episodes:
+                if not e.done and e.sample.finished:
+                    self._after_turn(e)
+                if not e.done and not e.sample.finished:
+                    again.setdefault(id(e.group), (e.group, []))[1].append(e.sample)
+            if not again:
+                return
+            for group, samples in again.values():
+                rollout.requeue(group, samples)
+
+    def _start(self, problem, group: Group, step: int) -> Episode:
+        s = new_sample(problem, problem.prompt_ids, step)
+        group.samples.append(s)
+        messages = [as_message(problem.prompt)] if isinstance(problem.prompt, str) else \
+            list(problem.prompt)
+        e = Episode(s, None, group, messages)
+        try:
+            e.env = self.make_env(problem)
+            first = e.env.reset(problem)
+            if first is not None:  # the environment opens the episode itself
+                e.messages = [as_message(first)]
+                s.prompt_ids = self.turns.prompt_ids(e.messages)
+        except Exception as ex:
+            self._fail(e, "reset", ex)
+        s.meta.update(turn_start=0, turn_budget=self.turn_tokens, env_reward=0.0)
+        return e
+
+    def _after_turn(self, e: Episode) -> None:
+        s = e.sample
+        turn_ids = s.response_ids[s.meta["turn_start"]:]
+        e.turns += 1
+        self.metrics["agent/turns"] += 1
+        action = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        e.messages.append({"role": "assistant", "content": action})
+        try:
+            observation, reward, done, info = e.env.step(action)
+            s.meta["env_reward"] += float(reward)
+            s.meta.update({f"env_{k}": v for k, v in (info or {}).items()})
+        except Exception as ex:
+            self._fail(e, "step", ex)
+            return
+        used = s.num_tokens
+        if done or observation is None or s.status != Status.COMPLETED or \
+                e.turns >= self.max_turns or used >= self.episode_tokens:
+            self._finish(e, "env" if done or observation is None else "limit")
+            return
+        try:
+            obs = as_message(observation)
+        except ValueError as ex:
+            self._fail(e, "step", ex)
+            return
+        ids = self.turns.observation_ids(e.messages, turn_ids, obs)
+        e.messages.append(obs)
+        if ids is None:  # the template cannot extend this turn exactly: a new sample
+            self._split(e)
+            return
+        if s.num_tokens + len(ids) >= self.episode_tokens:  # no room left for a model turn
+            self._finish(e, "limit")
+            return
+        s.extend(ids, [0.0] * len(ids), [-1] * len(ids), [0.0] * len(ids), trainable=False)
+        self.metrics["agent/prefill_tokens"] += len(s.prompt_ids) + s.num_tokens
+        s.meta["turn_start"] = s.num_tokens
+        s.meta["turn_budget"] = min(self.turn_tokens, self.episode_tokens - s.num_tokens)
+        s.status = Status.RUNNING
+
+    def _split(self, e: Episode) -> None:
+        """Continue the episode in a new sample whose prompt is the conversation so far,
+        rendered by the template; the finished piece gets the episode's reward too."""
+        old = e.sample
+        new = old.fork()
+        new.prompt_ids = self.turns.prompt_ids(e.messages)
+        for name in ("response_ids", "logprobs", "versions", "loss_mask", "entropies"):
+            setattr(new, name, [])
+        new.branch_point, new.chosen = 0, []
+        new.meta.update(turn_start=0, split_from=old.uid,
+                        turn_budget=min(self.turn_tokens, self.episode_tokens))
+        old.meta["split"] = True
+        e.pieces.append(old)
+        e.sample = new
+        e.group.samples.append(new)  # queued with the others' next turns
+        new.status = Status.RUNNING
+        self.metrics["agent/splits"] += 1
+
+    def _finish(self, e: Episode, why: str) -> None:
+        e.done = True
+        e.sample.meta["episode_end"] = why
+        e.sample.meta["turns"] = e.turns
+        for piece in e.pieces:  # every piece of a split episode is credited with its reward
+            piece.meta["env_reward"] = e.sample.meta["env_reward"]
+
+    def _fail(self, e: Episode, where: str, ex: Exception) -> None:
+        self.metrics["agent/env_errors"] += 1
+        e.sample.meta["env_error"] = f"{where}: {type(ex).__name__}: {ex}"
+        e.sample.status = Status.FAILED
+        self._finish(e, "error")
