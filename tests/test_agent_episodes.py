@@ -242,3 +242,43 @@ def test_episodes_train_in_the_loop(tmp_path):
     for r in rows:  # environment tokens: no version, no log-probability
         for m, v, lp in zip(r["loss_mask"], r["versions"], r["logprobs"]):
             assert (m == 0) == (v == -1) and (m == 1 or lp == 0.0)
+
+
+def test_episodes_carried_by_april_go_on_in_later_rounds(tiny):
+    """APRIL pauses every unfinished request when the batch is complete; an episode paused
+    mid-turn, or between turns, goes on in a later round with its environment."""
+    import copy
+
+    from rollwise import registry
+    from rollwise.config import Config
+    from rollwise.engine import Engine
+    from rollwise.stages.control.april import April
+    from rollwise.stages.generate import generate_round
+    from rollwise.stages.generate.group import sampling_params
+    from rollwise.tasks.prompts import Prompter
+    from tests.test_stage_contracts import Loop
+    registry.register("env", "again", AgainEnv)
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 6,
+                                              "strategy": "episode", "env": "again"},
+                                 "control": {"over_provision": 2.0}})
+    gen = EpisodeGenerator(cfg, tok)
+    loop = Loop(April(cfg))
+    # several stop ids: a random model's turns end early (and often), as trained ones do
+    params = sampling_params(cfg.generate, tuple(range(1, 12)))
+    engine = Engine(model, seed=0, max_batch=64, segment=2)
+    released, env_text = [], tok.decode(tok.encode(";tool: 84;", add_special_tokens=False))
+    for step in range(1, 6):
+        groups = generate_round(engine, gen, loop, params, 2, step, Ledger(),
+                                Prompter.plain(tok))
+        released += [s for g in groups for s in g.samples]
+    assert released
+    for s in released:
+        assert s.finished
+        masked = [t for t, m in zip(s.response_ids, s.loss_mask) if m == 0]
+        if s.meta["turns"] == 2:  # one observation, between the two turns
+            assert s.meta["episode_end"] == "env" and tok.decode(masked) == env_text
+        else:  # a first turn cut at its budget ends the episode
+            assert s.meta["episode_end"] == "limit" and not masked
+    carried = [s for s in released if s.meta.get("resumed")]
+    assert any(s.meta["turns"] == 2 for s in carried)  # paused, resumed, and went on

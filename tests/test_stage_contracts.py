@@ -167,6 +167,20 @@ class DigitTask:
         return m.group(0) if m else None
 
 
+class OneTurnEnv:
+    """An agent environment that ends every episode after its first turn: the episode
+    generator then meets the single-turn contract below."""
+
+    def __init__(self, cfg, problem):
+        pass
+
+    def reset(self, problem):
+        return None
+
+    def step(self, action):
+        return None, 0.0, True, {}
+
+
 class Loop:
     """Control's part of a round: the in-flight controller and a prompt stream."""
 
@@ -182,7 +196,8 @@ class Loop:
 @pytest.mark.parametrize("generator", implementations("generator", ForkingGenerator), ids=name)
 def test_generator_and_controller_contract(tiny, generator, controller):
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 10},
+    cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 10,
+                                              "env": "tests.test_stage_contracts:OneTurnEnv"},
                                  "control": {"over_provision": 2.0}})
     gen = build("generator", generator, cfg, tok)
     loop = Loop(build("inflight", controller, cfg))

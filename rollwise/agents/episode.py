@@ -47,28 +47,39 @@ class EpisodeGenerator:
         self.episode_tokens = g.max_episode_tokens or g.max_new_tokens * g.max_turns
         self.make_env = build_env_factory(cfg)
         self.turns = turns_for(tokenizer)
+        self.live: dict[str, Episode] = {}  # sample uid -> its unfinished episode
         self.metrics = {"agent/turns": 0.0, "agent/episodes": 0.0, "agent/splits": 0.0,
                         "agent/env_errors": 0.0, "agent/prefill_tokens": 0.0}
 
     def generate(self, rollout, problems, step: int) -> None:
-        episodes = []
         for p in problems:
             group = Group(p.id, [], p)
             for _ in range(p.group_size or self.group_size):
-                episodes.append(self._start(p, group, step))
+                e = self._start(p, group, step)
+                self.live[e.sample.uid] = e
             rollout.add(group)
-        self.metrics["agent/episodes"] += len(episodes)
+            self.metrics["agent/episodes"] += len(group.samples)
         while True:
             rollout.run()
             again: dict[int, tuple[Group, list[Sample]]] = {}
-            for e in episodes:
-                if not e.done and e.sample.finished:
+            # every group of the round: an in-flight controller may have carried an episode's
+            # paused sample into it from an earlier round
+            for group in list(rollout.groups):
+                for s in list(group.samples):
+                    e = self.live.get(s.uid)
+                    if e is None or not s.finished:
+                        continue  # not an episode's current sample, or paused mid-turn
                     self._after_turn(e)
-                if not e.done and not e.sample.finished:
-                    again.setdefault(id(e.group), (e.group, []))[1].append(e.sample)
+                    if e.done:
+                        self.live.pop(s.uid, None)
+                        continue
+                    if e.sample is not s:  # split: the episode goes on in a new sample
+                        self.live[e.sample.uid] = self.live.pop(s.uid)
+                    again.setdefault(id(group), (group, []))[1].append(e.sample)
             if not again:
                 return
             for group, samples in again.values():
+                # a round an everyone-decision ended pauses these at once (carried onward)
                 rollout.requeue(group, samples)
 
     def _start(self, problem, group: Group, step: int) -> Episode:
