@@ -27,7 +27,8 @@ BUILTIN: dict[str, dict[str, str]] = {
     "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
                       "echo": "rollwise.training.confidence:echo_shaping"},
     # fn(logprobs, old_logprobs, advantages, mask, LossParams) -> (per-token loss, metrics)
-    "policy_loss": {n: "rollwise.training.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo")},
+    "policy_loss": {n: "rollwise.training.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo",
+                                                                 "rec_oneside")},
     # fn(token_loss, mask, num_tokens=, num_seqs=, norm_length=) -> scalar
     "aggregation": {"token-mean": "rollwise.training.losses:token_mean",
                     "seq-mean-token-mean": "rollwise.training.losses:seq_mean_token_mean",

@@ -50,7 +50,7 @@ def test_every_trained_token_is_within_the_bound(root, eta):
     metrics = [m for m in metric_rows(root / name) if m["step"] > 0]
     assert [m["step"] for m in metrics] == list(range(1, 7))
     assert all(m["policy/version"] == m["step"] for m in metrics)
-    assert max(m["tokens/staleness_max"] for m in metrics) <= eta
+    assert max(m["staleness/max"] for m in metrics) <= eta
     stored = rows(root / name)
     assert len({r["uid"] for r in stored}) == len(stored) == summary["rollouts"]
     # a stored rollout's versions all lie in [step - 1 - eta, step - 1]
@@ -152,7 +152,7 @@ def test_killed_and_resumed_async_runs_lose_and_repeat_nothing(root):
     assert fork_main(["train", "--resume", str(run)]) == 0
     metrics = metric_rows(run)
     assert [m["step"] for m in metrics] == list(range(7))  # each step written once
-    assert max(m["tokens/staleness_max"] for m in metrics[1:]) <= 2
+    assert max(m["staleness/max"] for m in metrics[1:]) <= 2
     stored = rows(run)
     assert len({r["uid"] for r in stored}) == len(stored)
     per_step = {}

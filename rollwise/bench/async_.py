@@ -86,7 +86,7 @@ def measure(rows: list[dict], target: float) -> dict:
             "train_s": statistics.median(m["perf/train_seconds"] for m in steps),
             "tokens_per_step": tokens / len(steps),
             "full_bytes": steps[0]["sync/full_bytes"], "syncs": syncs,
-            "staleness_max": max(m.get("tokens/staleness_max", 0) for m in steps),
+            "staleness_max": max(m.get("staleness/max", 0) for m in steps),
             "wait_s": sum(m.get("perf/wait_seconds", 0.0) for m in steps)}
 
 

@@ -49,7 +49,7 @@ def step_metrics(r: StepResult) -> dict[str, float]:
         "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),
         "tokens/stale": sum(v < r.version - 1 for v in trained_versions(r)),
         # versions between the policy updated (r.version - 1) and its oldest trained token
-        "tokens/staleness_max": max((r.version - 1 - v for v in trained_versions(r)),
+        "staleness/max": max((r.version - 1 - v for v in trained_versions(r)),
                                     default=0),
         "tokens/generated": n_gen, "tokens/decoded": r.decoded,
         "response/length_mean": n_gen / len(samples),

@@ -16,7 +16,7 @@ import torch
 
 from rollwise import registry
 
-ZERO_AT_ZERO_ADVANTAGE = {"ppo_clip", "dual_clip", "gspo"}
+ZERO_AT_ZERO_ADVANTAGE = {"ppo_clip", "dual_clip", "gspo", "rec_oneside"}
 """Losses that are a multiple of each token's advantage: a token with advantage 0 adds exactly 0
 to the loss and its gradient, so the trainer may skip rows made only of such tokens."""
 
@@ -97,6 +97,22 @@ def dual_clip(logprobs, old_logprobs, advantages, mask, p: LossParams = LossPara
     loss = torch.where(adv < 0, bounded, ppo)
     m = _clip_metrics(ratio.detach(), adv, mask, p)
     m["dual_clip_frac"] = masked_mean(((adv < 0) & (bounded < ppo)).float(), mask).item()
+    m["approx_kl"] = masked_mean((old_logprobs - logprobs).detach(), mask).item()
+    return loss, m
+
+
+def rec_oneside(logprobs, old_logprobs, advantages, mask, p: LossParams = LossParams()):
+    """REC's one-sided clip with no importance weight (Connect-the-Dots; Trinity-RFT's
+    rec-oneside-noIS): the REINFORCE gradient -A grad log pi on every token, except tokens whose
+    ratio already left the trust region on the side their advantage pushes to (A > 0 and
+    r > 1 + eps_high, or A < 0 and r < 1 - eps_low), which add nothing."""
+    adv = _adv2d(advantages)
+    old_logprobs = old_logprobs.detach()
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    out = ((adv > 0) & (ratio > 1 + p.clip_high)) | ((adv < 0) & (ratio < 1 - p.clip_low))
+    unit = torch.exp(logprobs - logprobs.detach())  # 1, with the gradient of log pi
+    loss = -adv * unit * (~out).float()
+    m = _clip_metrics(ratio, adv, mask, p)
     m["approx_kl"] = masked_mean((old_logprobs - logprobs).detach(), mask).item()
     return loss, m
 

@@ -1,0 +1,80 @@
+"""TRACE's turn-level prefix allocation (METHODS.md §3.10): continuations go to the turn
+prefixes (anchors: a prompt root or an episode cut after one of its turns) most likely to give
+mixed terminal rewards, judged by a predictor of success from the prefix's history, and
+advantages are computed among the sibling continuations of one prefix.
+
+    counts = allocate(predicted_success, budget)   # continuations per anchor
+    adv = sibling_advantages(rewards, anchors)      # GRPO among each anchor's siblings
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable
+
+import torch
+
+
+def mixed_probability(p: float, n: int) -> float:
+    """P(n continuations with success probability p do not all agree)."""
+    return 0.0 if n < 2 else 1.0 - p ** n - (1.0 - p) ** n
+
+
+def allocate(success: list[float], budget: int, min_siblings: int = 2,
+             max_per_anchor: int | None = None) -> list[int]:
+    """Continuations per anchor, `budget` in all, given each anchor's predicted success. Greedy
+    on the expected number of mixed sibling sets: an anchor's first share is `min_siblings`
+    continuations (one alone is never mixed), ranked by p(1-p); each further one goes where it
+    raises P(mixed) most. Anchors predicted certain (p = 0 or 1) get nothing while any other
+    gains."""
+    counts = [0] * len(success)
+    left = budget
+    while left > 0:
+        best, gain, cost = None, 0.0, 0
+        for i, p in enumerate(success):
+            n = counts[i]
+            step = min_siblings if n == 0 else 1
+            if step > left or (max_per_anchor and n + step > max_per_anchor):
+                continue
+            g = (mixed_probability(p, n + step) - mixed_probability(p, n)) / step
+            if best is None or g > gain:
+                best, gain, cost = i, g, step
+        if best is None or gain <= 0:
+            break
+        counts[best] += cost
+        left -= cost
+    return counts
+
+
+def sibling_advantages(rewards: list[float], anchors: list[Hashable]) -> list[float]:
+    """Each continuation's reward minus the mean over the continuations of its anchor."""
+    groups: dict[Hashable, list[float]] = defaultdict(list)
+    for r, a in zip(rewards, anchors):
+        groups[a].append(r)
+    return [r - sum(groups[a]) / len(groups[a]) for r, a in zip(rewards, anchors)]
+
+
+class PrefixPredictor:
+    """Online logistic regression of terminal success on a prefix's features (the
+    environment's description of its history: turn index, tool results so far, ...)."""
+
+    def __init__(self, n_features: int, lr: float = 0.1, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.zeros(n_features + 1)
+        self.w[:-1] = 0.01 * torch.randn(n_features, generator=g)
+        self.lr = lr
+
+    def predict(self, features: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([features, torch.ones(features.shape[0], 1)], dim=1)
+        return torch.sigmoid(x @ self.w)
+
+    def update(self, features: torch.Tensor, success: torch.Tensor, steps: int = 20) -> float:
+        """Gradient steps on the log-loss; returns the last loss."""
+        x = torch.cat([features, torch.ones(features.shape[0], 1)], dim=1)
+        y = success.float()
+        loss = 0.0
+        for _ in range(steps):
+            p = torch.sigmoid(x @ self.w).clamp(1e-6, 1 - 1e-6)
+            self.w -= self.lr * x.T @ (p - y) / len(y)
+            loss = float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+        return loss
