@@ -226,6 +226,9 @@ class GenerateConfig(Section):
     tools: list[str] = []
     """The tools an episode's environment offers: calculator, python, or
     'package.module:function' (a typed function with a docstring)."""
+    tool_format: Literal["auto", "hermes", "json", "plain"] = "auto"
+    """How the tools environment reads calls: hermes (<tool_call> JSON), json (Llama 3),
+    plain (name(argument), for the character model); auto tries them in that order."""
     max_turns: int = Field(4, ge=1)
     """Model turns per agent episode."""
     max_episode_tokens: int | None = Field(None, gt=0)

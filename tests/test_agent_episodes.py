@@ -282,3 +282,24 @@ def test_episodes_carried_by_april_go_on_in_later_rounds(tiny):
             assert s.meta["episode_end"] == "limit" and not masked
     carried = [s for s in released if s.meta.get("resumed")]
     assert any(s.meta["turns"] == 2 for s in carried)  # paused, resumed, and went on
+
+
+def test_the_character_model_calls_tools_in_plain_form():
+    """A 3-digit product the model cannot know: calculator(...) in its own vocabulary, the
+    result comes back as a plain turn, and the answer that copies it is rewarded."""
+    tok = char_tokenizer()
+    cfg = load_config(None, ["generate.strategy=episode", "generate.env=tools",
+                             "generate.tools=[calculator]", "generate.group_size=1",
+                             "generate.max_new_tokens=40"])
+    p = Problem("p0", "417*386=", str(417 * 386))
+    p.prompt_ids = tok.encode("417*386=", add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=40, stop_ids=(tok.eos_token_id,))
+
+    def script(conversation):
+        if "tool:" not in conversation:
+            return "calculator(417*386)<eos>"
+        return conversation.rsplit("tool: ", 1)[1].split(";")[0] + "<eos>"
+    group, _, _ = run_episodes(tok, cfg, p, params, script)
+    s = group.samples[0]
+    assert tok.decode(s.response_ids) == "calculator(417*386)<eos>;tool: 160962;160962<eos>"
+    assert s.meta["env_reward"] == 1.0 and s.meta["env_tool_calls"] == 1

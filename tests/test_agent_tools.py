@@ -188,3 +188,13 @@ def test_the_python_tool_runs_in_the_sandbox():
     obs, _ = box.call(ToolCall("python", {"code": "import socket\n"
                                           "socket.create_connection(('1.1.1.1', 80), 2)"}))
     assert obs.startswith(("[blocked:", "[error:"))
+
+
+def test_plain_calls_give_their_argument_to_the_first_parameter():
+    from rollwise.agents.toolcalls import parse_plain
+    calls = parse_plain("first calculator(2**10) then nope(1)")
+    assert [(c.name, c.positional) for c in calls] == [("calculator", "2**10"), ("nope", "1")]
+    box = Toolbox([calculator])
+    assert box.call(calls[0]) == ("1024", True)
+    text, ok = box.call(calls[1])
+    assert not ok and "unknown tool 'nope'" in text

@@ -11,8 +11,9 @@ episode's reward is their sum), whether the episode is over, and a dict for the 
 An environment is built per episode by `factory(cfg, problem)`, by name (registry kind 'env')
 or 'package.module:factory'.
 
-Built in: `tools`, the model calls the tools generate.tools names (in the chat template's
-tool-call format) until it answers without a call; the answer is scored by exact match with
+Built in: `tools`, the model calls the tools generate.tools names (generate.tool_format:
+hermes, json, or plain `name(argument)` for the character model; auto tries them in turn)
+until it answers without a call; the answer is scored by exact match with
 the problem's answer.
 """
 
@@ -56,14 +57,24 @@ class ToolEnv:
     def __init__(self, cfg, problem):
         self.answer = str(problem.answer).strip()
         self.toolbox = TOOLBOXES.get(tuple(cfg.generate.tools)) or _toolbox(cfg.generate.tools)
-        self.format = "hermes"
+        self.format = cfg.generate.tool_format
         self.calls = 0
 
     def reset(self, problem):
         return None
 
+    def parse(self, action: str):
+        """The turn's calls in generate.tool_format; auto: hermes, else json, else plain calls
+        of a tool this environment has."""
+        if self.format != "auto":
+            return parse_tool_calls(action, self.format)
+        for fmt in ("hermes", "json"):
+            if calls := parse_tool_calls(action, fmt):
+                return calls
+        return [c for c in parse_tool_calls(action, "plain") if c.name in self.toolbox.tools]
+
     def step(self, action: str):
-        calls = parse_tool_calls(action, self.format)
+        calls = self.parse(action)
         if not calls:
             numbers = re.findall(r"-?\d+(?:\.\d+)?", action)
             ok = bool(numbers) and numbers[-1] == self.answer

@@ -2,7 +2,9 @@
 
 - hermes (Qwen2.5/3, Hermes, and rollwise's own plain-text format for models with no
   template): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
-- json (Llama 3.x): the turn is one JSON object `{"name": ..., "parameters": {...}}`.
+- json (Llama 3.x): the turn is one JSON object `{"name": ..., "parameters": {...}}`;
+- plain (the built-in character model, whose vocabulary has no braces or quotes):
+  `name(argument)`, the argument given to the tool's first parameter.
 
 `detect(chat_template)` picks the format from the template's text. A block that is not valid
 JSON or lacks a name is returned as a ToolCall with `error` set, so the environment can answer
@@ -24,6 +26,7 @@ class ToolCall:
     name: str | None
     arguments: Any = field(default_factory=dict)
     error: str | None = None  # why the call could not be read
+    positional: str | None = None  # plain format: the one argument, for the first parameter
 
 
 def _from_object(obj: Any, args_key: str) -> ToolCall:
@@ -65,7 +68,15 @@ def parse_json(text: str) -> list[ToolCall]:
         return [ToolCall(None, error=f"not JSON ({e.msg} at character {e.pos})")]
 
 
-PARSERS = {"hermes": parse_hermes, "json": parse_json}
+_PLAIN = re.compile(r"([a-z_][a-z0-9_]*)\(([^()]*)\)")
+
+
+def parse_plain(text: str) -> list[ToolCall]:
+    return [ToolCall(m.group(1), {}, positional=m.group(2).strip())
+            for m in _PLAIN.finditer(text)]
+
+
+PARSERS = {"hermes": parse_hermes, "json": parse_json, "plain": parse_plain}
 
 
 def detect(chat_template: str | None) -> str:

@@ -111,6 +111,11 @@ class Toolbox:
         tool = self.tools.get(call.name)
         if tool is None:
             return f"error: unknown tool {call.name!r}; available: {sorted(self.tools)}", False
+        if call.positional is not None:  # plain format: the first parameter's value
+            params = list(tool.schema["function"]["parameters"].get("properties", {}))
+            if not params:
+                return f"error: {call.name} takes no argument", False
+            call = ToolCall(call.name, {params[0]: call.positional})
         why = tool.check_arguments(call.arguments)
         if why:
             return f"error: {call.name}: {why}", False
