@@ -213,3 +213,31 @@ def test_vcpo_scales_the_step_by_root_ess_fraction(tiny):
     assert metrics["train/lr_scale"] < 0.95
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
         trainer.scheduler.get_last_lr()[0])  # the scale applied to that step only
+
+
+def test_an_episodes_turns_split_by_their_own_versions(tiny):
+    """Missing Old Logits (METHODS §3.11) for an agent episode that spans versions: turn 1 was
+    sampled at version 0, turn 2 at version 1, the environment's tokens between them at none.
+    Each turn's anchor is its own version's policy; the environment's tokens stay out."""
+    from rollwise.types import Sample
+    trainer, initial, _ = _stale_setup(tiny, snapshots=2)
+    v1 = copy.deepcopy(initial)
+    v1.load_state_dict(trainer._snapshots[1])
+    s = Sample(prompt_id="p", prompt_ids=[3, 13, 3, 16])
+    s.extend([4, 5, 6], [-1.0] * 3, [0] * 3)  # turn 1
+    s.extend([20, 21], [0.0] * 2, [-1] * 2, trainable=False)  # the environment
+    s.extend([7, 8], [-1.0] * 2, [1] * 2)  # turn 2
+    batch = Batch.from_samples([s], [0.0], trainer.pad_id)
+    with torch.no_grad():
+        prox, _ = token_logprobs(trainer.model, batch)
+        pi_v, known = trainer._version_logprobs(batch, prox)
+        at0, _ = token_logprobs(initial, batch)
+        at1, _ = token_logprobs(v1, batch)
+    start = len(s.prompt_ids) - 1  # the target column of the first response token
+    turn1, env, turn2 = (slice(start, start + 3), slice(start + 3, start + 5),
+                         slice(start + 5, start + 7))
+    assert known[0, start:start + 7].all()
+    assert torch.allclose(pi_v[0, turn1], at0[0, turn1], atol=1e-5)
+    assert torch.allclose(pi_v[0, turn2], at1[0, turn2], atol=1e-5)
+    assert not torch.allclose(at0[0, turn2], at1[0, turn2], atol=1e-4)  # versions differ
+    assert batch.loss_mask[0, env].sum() == 0 and batch.versions[0, env].tolist() == [-1, -1]
