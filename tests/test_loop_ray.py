@@ -17,6 +17,7 @@ from rollwise.config import load_config  # noqa: E402
 from rollwise.loop.metrics import step_metrics  # noqa: E402
 from rollwise.loop.sync import Run, train  # noqa: E402
 from rollwise.report.progress import Progress  # noqa: E402
+from rollwise.sync.engine_proc import _unwire  # noqa: E402
 from tests.test_crash_resume import SMALL  # noqa: E402
 
 RAY = ["loop.backend=ray"]
@@ -104,13 +105,19 @@ def test_a_frozen_worker_times_out_and_its_requests_go_elsewhere(tmp_path):
 def test_workers_join_and_leave_mid_run(tmp_path):
     run, cfg = _run(tmp_path, ["loop.rollout_workers=2"])
     pool = run.engine
+    pool.max_chain = 1  # the second sparse payload folds the kept ones into one full payload
     run.step(1)
-    new = pool.join()  # replays the payloads since the last full one
     run.step(2)
+    assert len(pool.chain) == 1
+    new = pool.join()  # replays the kept payload
+    run.step(3)
+    theirs = ray.get(pool.workers[new].weights.remote())
+    ours = run.trainer.weights()
+    assert all(_unwire(theirs[k]).equal(ours[k].to(_unwire(theirs[k]).dtype)) for k in theirs)
     pool.leave(0)
     pool.leave(new)
-    run.step(3)
+    run.step(4)
     assert sorted(pool.workers) == [1]
     assert pool.counts == {"worker_deaths": 0, "requeued": 0, "joined": 3, "left": 2}
-    _check_store(run, cfg, 3)
+    _check_store(run, cfg, 4)
     run.sync.compare()

@@ -61,8 +61,8 @@ def run_arm(arm: str, seed: int, init: str, root: str, steps: int, eval_every: i
         summary = train(cfg)
     finally:
         if arm.startswith("ray"):
-            import ray
-            ray.shutdown()
+            from rollwise.loop.ray import shutdown
+            shutdown()
     rows = [json.loads(line) for line in open(Path(root) / name / "metrics.jsonl")]
     return {"arm": arm, "seed": seed, **measure(rows, target),
             "pass1_start": summary["eval_pass1_start"], "pass1_end": summary["eval_pass1_end"]}

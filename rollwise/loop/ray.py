@@ -33,6 +33,7 @@ from rollwise.sync.transport import GrowingBuffer
 
 COLUMNS = ("token_ids", "logprobs", "entropies", "versions")
 MAX_TRIES = 8  # workers lost in a row before a call gives up
+MAX_CHAIN = 8  # sparse payloads kept for joining workers before they are folded into a full one
 STARTUP_S = 300.0  # the least a new worker gets to start (import torch, build its engine)
 
 
@@ -96,6 +97,7 @@ class WorkerPool:
         self._tokens: dict[int, int] = {}  # per live worker
         self._dead_tokens = 0
         self.chain: list = []  # object refs of the payloads since the last full one
+        self.max_chain = MAX_CHAIN
         self.counts = {"worker_deaths": 0, "requeued": 0, "joined": 0, "left": 0}
         self.buffer = GrowingBuffer()
         for _ in range(n_workers):
@@ -252,7 +254,21 @@ class WorkerPool:
             except _WorkerLost:
                 continue
         self.version = meta.version
+        if len(self.chain) > self.max_chain:
+            self._fold_chain()
         return ack
+
+    def _fold_chain(self) -> None:
+        """Replace the kept payloads by one full payload of a live worker's weights (the same
+        bits, so the same checksums: later sparse payloads apply to a worker that joins)."""
+        from rollwise.sync.sender import Sender
+        key = next(iter(self.workers))
+        wired = self._get(self.workers[key].weights.remote(), key, "send its weights")
+        sender = Sender(self.sync_state().spec, keep_mirror=False, with_checksum=True,
+                        bucket_bytes=2**62)
+        meta, arena = sender.encode({k: _unwire(v) for k, v in wired.items()}, self.version,
+                                    self.buffer.take, full=True)
+        self.chain = [(pack_meta(meta), ray.put(arena[:meta.nbytes].numpy()))]
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def _register(self, key: int, local: int, request: Request) -> int:
@@ -382,6 +398,12 @@ class PoolTransport:
         key = next(iter(self.pool.workers))
         wired = self.pool._get(self.pool.workers[key].weights.remote(), key, "send its weights")
         return {k: _unwire(v) for k, v in wired.items()}
+
+
+def shutdown() -> None:
+    """Stop the Ray this process started (its workers with it)."""
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def worker_pool(cfg, model) -> WorkerPool:
