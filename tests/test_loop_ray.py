@@ -121,3 +121,36 @@ def test_workers_join_and_leave_mid_run(tmp_path):
     assert pool.counts == {"worker_deaths": 0, "requeued": 0, "joined": 3, "left": 2}
     _check_store(run, cfg, 4)
     run.sync.compare()
+
+
+def test_trainer_ranks_as_ray_actors_give_one_ranks_update(tmp_path):
+    """train.world_size=2 with loop.backend=ray: the FSDP2 ranks are Ray actors."""
+    import copy
+
+    from rollwise.loop.ray import RayRanks
+    from rollwise.training.sharded import ShardedTrainer
+    from rollwise.training.trainer import Trainer
+    from tests.test_train_sharded import SHARDED
+    cfg = load_config(None, SMALL + SHARDED + [f"run.root={tmp_path}"])
+    run = Run(cfg, Progress("quiet", 2))
+    r = run.produce(1)
+    start = copy.deepcopy(run.trainer.model)
+    one = Trainer(copy.deepcopy(start), cfg.train, pad_id=run.tokenizer.pad_token_id)
+    two = ShardedTrainer(copy.deepcopy(start), cfg.train, pad_id=run.tokenizer.pad_token_id,
+                         world_size=2, timeout_s=120, ranks=RayRanks)
+    try:
+        for _ in range(2):
+            a, b = one.update(r.trained, r.dropped), two.update(r.trained, r.dropped)
+            wa, wb = one.weights(), two.weights()
+            assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+            assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-6)
+    finally:
+        two.close()
+
+
+def test_the_loop_on_ray_with_rollout_workers_and_trainer_ranks(tmp_path):
+    from tests.test_train_sharded import SHARDED
+    summary = train(load_config(None, SMALL + SHARDED + RAY + [
+        f"run.root={tmp_path}", "train.steps=2", "train.world_size=2", "loop.mode=async",
+        "train.correction.mode=tis"]))
+    assert summary["steps"] == 2 and summary["tokens_trained"] > 0

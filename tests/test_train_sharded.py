@@ -68,7 +68,7 @@ def test_a_dead_rank_stops_with_an_error_naming_it(step):
     two = ShardedTrainer(copy.deepcopy(run.trainer.model), cfg.train,
                          pad_id=run.tokenizer.pad_token_id, world_size=2, timeout_s=60)
     try:
-        os.kill(two.procs[1].pid, signal.SIGKILL)
+        os.kill(two.ranks.procs[1].pid, signal.SIGKILL)
         with pytest.raises(TrainerRankError, match="trainer rank"):
             two.update(r.trained, r.dropped)
     finally:

@@ -67,8 +67,14 @@ def build_trainer(cfg: Config, model, pad_id: int):
     if cfg.train.world_size == 1:
         return Trainer(model, cfg.train, pad_id=pad_id, seed=cfg.run.seed)
     from rollwise.training.sharded import ShardedTrainer
+    ranks = None
+    if cfg.loop.backend == "ray":  # ranks as Ray actors, placed by the cluster
+        from rollwise.loop import ray as ray_backend
+        ray_backend.start(cfg)
+        ranks = ray_backend.RayRanks
     return ShardedTrainer(model, cfg.train, pad_id=pad_id, seed=cfg.run.seed,
-                          world_size=cfg.train.world_size, timeout_s=cfg.loop.wait_timeout_s)
+                          world_size=cfg.train.world_size, timeout_s=cfg.loop.wait_timeout_s,
+                          ranks=ranks)
 
 
 def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None = None):

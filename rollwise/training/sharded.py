@@ -1,5 +1,6 @@
-"""train.world_size > 1: the trainer as N ranks, each a spawned process holding a shard of the
-model (FSDP2, `torch.distributed.fsdp.fully_shard`; gloo on CPU, NCCL on GPU).
+"""train.world_size > 1: the trainer as N ranks, each holding a shard of the model (FSDP2,
+`torch.distributed.fsdp.fully_shard`; gloo on CPU, NCCL on GPU): spawned processes on this
+machine (ProcessRanks), or Ray actors with loop.backend=ray (rollwise.loop.ray.RayRanks).
 
     trainer = ShardedTrainer(model, cfg.train, pad_id=tok.pad_token_id, world_size=2)
     metrics = trainer.update(groups)     # every rank updates; the full weights come back
@@ -37,10 +38,12 @@ def _free_port() -> int:
 
 
 class ShardedTrainer:
-    """The Trainer's interface (update, weights, version, state_dict) over FSDP2 ranks."""
+    """The Trainer's interface (update, weights, version, state_dict) over FSDP2 ranks.
+    `ranks(init, world, timeout)` starts them: ProcessRanks here (spawned processes), or
+    rollwise.loop.ray.RayRanks (Ray actors, loop.backend=ray)."""
 
     def __init__(self, model, cfg, *, pad_id: int, seed: int = 0, world_size: int = 2,
-                 timeout_s: float = 1800.0):
+                 timeout_s: float = 1800.0, ranks=None):
         if cfg.kl_coef > 0 or cfg.correction.snapshots > 0:
             raise ValueError("train.world_size > 1 does not keep a reference model or "
                              "snapshots yet: set train.kl_coef=0 and "
@@ -49,21 +52,11 @@ class ShardedTrainer:
             raise ValueError("train.world_size > 1 trains float32 parameters: set "
                              "model.dtype=float32 (the engine may still run sync.engine_dtype)")
         self.model, self.cfg, self.version = model, cfg, 0
-        self.timeout, self.world = timeout_s, world_size
+        self.world = world_size
         init = {"cls": type(model), "config": model.config, "cfg": cfg, "pad_id": pad_id,
-                "seed": seed, "world": world_size, "port": _free_port(),
+                "seed": seed, "world": world_size,
                 "state": {k: _wire(v) for k, v in model.state_dict().items()}}
-        ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, child, init), daemon=True,
-                               name=f"rollwise-trainer-{rank}")
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        self._gather("start")
+        self.ranks = (ranks or ProcessRanks)(init, world_size, timeout_s)
 
     def update(self, groups, dropped=()) -> dict[str, float]:
         replies = self._all("update", groups, list(dropped))
@@ -87,23 +80,49 @@ class ShardedTrainer:
         if len(state["ranks"]) != self.world:
             raise ValueError(f"this checkpoint was written by {len(state['ranks'])} trainer "
                              f"ranks; resume it with train.world_size={len(state['ranks'])}")
-        for conn, rank_state in zip(self.conns, state["ranks"]):
-            self._send(conn, ("load", rank_state))
-        self._gather("load")
+        self.ranks.call([("load", rank_state) for rank_state in state["ranks"]])
         self.model.load_state_dict(state["model"])
         self.version = state["version"]
 
-    # ---- plumbing --------------------------------------------------------------------------
-    def _all(self, cmd: str, *args):
-        for conn in self.conns:
-            self._send(conn, (cmd, *args))
-        return self._gather(cmd)
+    def _all(self, cmd: str, *args) -> list:
+        return self.ranks.call([(cmd, *args)] * self.world)
 
-    def _send(self, conn, message) -> None:
+    def close(self) -> None:
+        self.ranks.close()
+
+    def __del__(self):
         try:
-            conn.send(message)
-        except (BrokenPipeError, OSError) as e:
-            raise self._dead(self.conns.index(conn), message[0]) from e
+            self.close()
+        except Exception:
+            pass
+
+
+class ProcessRanks:
+    """Trainer ranks as spawned processes on this machine, one pipe each."""
+
+    def __init__(self, init: dict, world: int, timeout_s: float):
+        init = {**init, "addr": "127.0.0.1", "port": _free_port()}
+        self.timeout = timeout_s
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, child, init), daemon=True,
+                               name=f"rollwise-trainer-{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._gather("start")
+
+    def call(self, messages: list[tuple]) -> list:
+        """Each rank its message; their replies in rank order."""
+        for rank, (conn, message) in enumerate(zip(self.conns, messages)):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, OSError) as e:
+                raise self._dead(rank, message[0]) from e
+        return self._gather(messages[0][0])
 
     def _gather(self, cmd: str) -> list:
         """Every rank's reply to `cmd`; a rank that dies meanwhile (the others then wait in a
@@ -128,9 +147,7 @@ class ShardedTrainer:
 
     def _dead(self, rank: int, cmd: str) -> TrainerRankError:
         self.procs[rank].join(timeout=5)
-        return TrainerRankError(f"trainer rank {rank} died during '{cmd}' (exit code "
-                                f"{self.procs[rank].exitcode}); the run stops here, resume "
-                                f"from its last checkpoint with 'rollwise train --resume RUN'")
+        return dead_rank(rank, cmd, f"exit code {self.procs[rank].exitcode}")
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
@@ -143,12 +160,11 @@ class ShardedTrainer:
                 proc.kill()
         self.conns, self.procs = [], []
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
+def dead_rank(rank: int, cmd: str, why: str) -> TrainerRankError:
+    return TrainerRankError(f"trainer rank {rank} died during '{cmd}' ({why}); the run stops "
+                            f"here, resume from its last checkpoint with 'rollwise train "
+                            f"--resume RUN'")
 
 def build_rank(rank: int, init: dict):
     """This rank's Trainer over its shard of the model."""
@@ -156,7 +172,7 @@ def build_rank(rank: int, init: dict):
     from torch.distributed.fsdp import fully_shard
 
     from rollwise.training.trainer import Trainer
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(init["port"]))
+    os.environ.update(MASTER_ADDR=init["addr"], MASTER_PORT=str(init["port"]))
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=init["world"])
     torch.set_num_threads(1)
@@ -192,6 +208,20 @@ def _full_weights(model) -> dict:
     return out
 
 
+def handle(trainer, rank: int, cmd: str, *args):
+    """One command on one rank (the process and the Ray ranks share it)."""
+    if cmd == "update":
+        metrics = trainer.update(*args)
+        weights = _full_weights(trainer.model)  # a collective: every rank takes part
+        return (metrics, weights) if rank == 0 else None
+    if cmd == "state":
+        return _rank_state(trainer)
+    if cmd == "load":
+        _load_rank_state(trainer, args[0])
+        return None
+    raise ValueError(f"unknown trainer-rank command {cmd!r}")
+
+
 def _rank_main(rank: int, conn, init: dict) -> None:
     try:
         trainer = build_rank(rank, init)
@@ -207,18 +237,7 @@ def _rank_main(rank: int, conn, init: dict) -> None:
         if cmd == "close":
             break
         try:
-            if cmd == "update":
-                metrics = trainer.update(*args)
-                weights = _full_weights(trainer.model)
-                out = (metrics, weights) if rank == 0 else None
-            elif cmd == "state":
-                out = _rank_state(trainer)
-            elif cmd == "load":
-                _load_rank_state(trainer, args[0])
-                out = None
-            else:
-                raise ValueError(f"unknown trainer-rank command {cmd!r}")
-            conn.send(("ok", out))
+            conn.send(("ok", handle(trainer, rank, cmd, *args)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
