@@ -467,7 +467,8 @@ class TrainConfig(Section):
     NCCL on GPU; rollwise/training/sharded.py), the micro-batches dealt out over them."""
     advantage: TrainAdvantageName = "grpo"
     """Advantage estimator (rollwise.training.advantages): grpo, dr_grpo, rloo, reinforce_pp,
-    reinforce_pp_baseline, mc_grpo, gdpo, or 'package.module:function'."""
+    reinforce_pp_baseline, mc_grpo, gdpo, cod (Connect-the-Dots: rewards-to-go in sample meta,
+    per-slot baselines, RED), or 'package.module:function'."""
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
     advantage_clip: float | None = Field(None, gt=0)

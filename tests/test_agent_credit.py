@@ -73,3 +73,40 @@ def test_prefix_predictor_learns_success_from_features():
     pred.update(x, y, steps=300)
     p = pred.predict(torch.tensor([[0.0], [1.0]]))
     assert p[0] < 0.1 and p[1] > 0.9
+
+
+def test_cod_advantage_estimator_in_the_trainer(tiny):
+    """train.advantage=cod: per-slot baselines over the samples' rewards-to-go, then RED by
+    trained tokens, as the trainer computes them for a batch."""
+    import copy
+
+    from rollwise.config import TrainConfig
+    from rollwise.training.advantages import AdvantageInputs, compute_advantages
+    from rollwise.training.trainer import Trainer
+    from tests.train_helpers import make_groups
+    meta = [{"cod_key": ("p1", "solve", 0), "cod_return": 1.0},
+            {"cod_key": ("p1", "solve", 0), "cod_return": 0.0},
+            {"cod_key": ("p1", "hint", 0), "cod_return": 0.5},
+            {"cod_key": ("p1", "hint", 0), "cod_return": 0.5}]
+    x = AdvantageInputs(torch.zeros(4), torch.zeros(4, dtype=torch.long), meta=meta,
+                        tokens=torch.tensor([2.0, 6.0, 1.0, 1.0]))
+    out = compute_advantages("cod", x)
+    # baselines: [0.5, -0.5, 0, 0]; token sum 1 - 3 < 0; RED: e^{1/T} >= 3 -> T = 1 / ln 3
+    t = 1 / math.log(3)
+    assert out.metrics["red_temperature"] == pytest.approx(t, abs=1e-6)
+    assert out.advantages.tolist() == pytest.approx(
+        [0.5 * math.exp(0.5 / t), -0.5 * math.exp(-0.5 / t), 0.0, 0.0], abs=1e-6)
+    with pytest.raises(ValueError, match="cod_key"):
+        compute_advantages("cod", AdvantageInputs(torch.zeros(1), torch.zeros(1).long(),
+                                                  meta=[{}]))
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    groups = make_groups(model, tok, n_prompts=1, group_size=4, seed=3)
+    for s, m in zip(groups[0].samples, meta):
+        s.meta.update(m)
+    trainer = Trainer(model, TrainConfig(advantage="cod"), pad_id=tok.pad_token_id)
+    prep, _ = trainer.prepare(groups)
+    tokens = torch.tensor([float(sum(s.loss_mask)) for s in groups[0].samples])
+    want = compute_advantages("cod", AdvantageInputs(torch.zeros(4), torch.zeros(4).long(),
+                                                     meta=meta, tokens=tokens)).advantages
+    assert torch.allclose(prep.batch.advantages, want)
+    assert trainer.update(groups)["train/tokens"] > 0

@@ -57,7 +57,12 @@ def test_every_named_choice_updates_and_stays_finite(tiny, groups, advantage, lo
     model, tok = tiny
     cfg = TrainConfig(advantage=advantage, loss=loss, lr=1e-2)
     m = copy.deepcopy(model)
-    metrics = Trainer(m, cfg, pad_id=tok.pad_token_id).update(clone(groups))
+    gs = clone(groups)
+    if advantage == "cod":  # its inputs live in sample meta (a Connect-the-Dots generator's)
+        for i, g in enumerate(gs):
+            for s in g.samples:
+                s.meta.update(cod_key=(g.prompt_id, "solve", i), cod_return=s.reward)
+    metrics = Trainer(m, cfg, pad_id=tok.pad_token_id).update(gs)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert all(v == v for v in metrics.values())  # no NaN metric
     assert metrics["train/tokens"] > 0

@@ -23,6 +23,8 @@ class AdvantageInputs:
     group_index: torch.Tensor  # (N,) long: which prompt group each sample belongs to
     channels: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,), for GDPO
     channel_weights: dict[str, float] = field(default_factory=dict)  # missing name -> 1.0
+    meta: list[dict] = field(default_factory=list)  # each sample's meta (CoD's keys, returns)
+    tokens: torch.Tensor | None = None  # (N,) trained tokens per sample (CoD's RED weights)
 
 
 @dataclass
@@ -101,6 +103,24 @@ def rloo(x: AdvantageInputs) -> AdvantageOutput:
     g = counts[inverse].float()
     scale = torch.where(g > 1, g / (g - 1).clamp_min(1), torch.zeros_like(g))
     return _out(scale * (r - mean))
+
+
+def cod(x: AdvantageInputs) -> AdvantageOutput:
+    """Connect-the-Dots (METHODS.md §3.14): each sample's reward-to-go over its pack
+    (meta['cod_return']) minus the mean over the samples with the same (pack, episode type,
+    index) (meta['cod_key']), then RED reweighting by trained tokens (rollwise.training.cod)."""
+    from rollwise.training.cod import baseline_advantages, red_reweight
+    missing = [i for i, m in enumerate(x.meta) if "cod_key" not in m or "cod_return" not in m]
+    if missing or len(x.meta) != len(x.rewards):
+        raise ValueError("train.advantage = 'cod' needs every sample's meta['cod_key'] (pack, "
+                         "episode type, index) and meta['cod_return'] (its reward-to-go), as a "
+                         "Connect-the-Dots generator writes them")
+    adv = baseline_advantages([(tuple(m["cod_key"]), float(m["cod_return"])) for m in x.meta])
+    tokens = x.tokens.tolist() if x.tokens is not None else [1] * len(adv)
+    adv, t = red_reweight(adv, tokens)
+    out = _out(torch.tensor(adv, dtype=torch.float))
+    out.metrics["red_temperature"] = float(t) if t is not None else 0.0
+    return out
 
 
 def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:

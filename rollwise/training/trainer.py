@@ -126,7 +126,9 @@ class Trainer:
                     raise ValueError(f"train.advantage = 'gdpo': sample {missing[0]} lacks reward "
                                      f"channel {name!r}; every sample needs the same channels")
                 channels[name] = torch.tensor([s.rewards[name] for s in samples])
-        return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights))
+        tokens = torch.tensor([float(sum(s.loss_mask)) for s in samples])
+        return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights),
+                               [s.meta for s in samples], tokens)
 
     def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
         """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""
