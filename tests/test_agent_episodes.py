@@ -73,7 +73,7 @@ def run_episodes(tok, cfg, problem, params, script):
     gen = EpisodeGenerator(cfg, tok)
     rollout = Rollout(engine, RunToEnd(), Ledger(), params)
     gen.generate(rollout, [problem], step=1)
-    return rollout.groups[0], gen, engine
+    return rollout.groups[0], rollout.ledger.decisions, engine
 
 
 def tool_then_answer(conversation: str) -> str:
@@ -83,8 +83,12 @@ def tool_then_answer(conversation: str) -> str:
 
 def test_an_episode_is_the_templates_rendering_token_for_token():
     tok, cfg, p, params = chat_setup()
-    group, gen, engine = run_episodes(tok, cfg, p, params, tool_then_answer)
+    group, decisions, engine = run_episodes(tok, cfg, p, params, tool_then_answer)
     assert len(group.samples) == 2
+    assert decisions["agent/turn/model"] == 4 and decisions["agent/end/env"] == 2
+    # the second turns prefilled each episode again: prompt, first turn and observation
+    assert decisions["agent/reprefill/tokens"] == sum(
+        len(r.prompt_ids) for r in engine.requests[2:])
     for s in group.samples:
         conversation = [*p.prompt, {"role": "assistant", "content": CALL},
                         {"role": "tool", "content": "84"},
@@ -131,8 +135,8 @@ def test_a_turn_the_template_cannot_extend_starts_a_new_sample():
         if "<|im_start|>tool" not in conversation:
             return CALL + "<|endoftext|>"
         return "84<|im_end|>"
-    group, gen, _ = run_episodes(tok, cfg, p, params, script)
-    assert len(group.samples) == 4 and gen.metrics["agent/splits"] == 2
+    group, decisions, _ = run_episodes(tok, cfg, p, params, script)
+    assert len(group.samples) == 4 and decisions["agent/split/template"] == 2
     first, second = group.samples[0], group.samples[2]
     assert first.meta["split"] and second.meta["split_from"] == first.uid
     conversation = [*p.prompt, {"role": "assistant", "content": CALL},
@@ -157,17 +161,18 @@ def test_a_failing_environment_fails_its_episode_only(monkeypatch):
     from rollwise import registry
     registry.register("env", "broken", BrokenEnv)
     tok, cfg, p, params = chat_setup(["generate.env=broken"])
-    group, gen, _ = run_episodes(tok, cfg, p, params, tool_then_answer)
+    group, decisions, _ = run_episodes(tok, cfg, p, params, tool_then_answer)
     for s in group.samples:
         assert s.status == Status.FAILED and "the environment broke" in s.meta["env_error"]
-    assert gen.metrics["agent/env_errors"] == 2
+    assert decisions["agent/end/error"] == 2
     v = EnvRewardVerifier().score([Item("", p, meta=group.samples[0].meta)])[0]
     assert v.failed == "env_error"
 
 
 def test_turn_and_episode_limits():
     tok, cfg, p, params = chat_setup(["generate.max_turns=3"])
-    group, gen, engine = run_episodes(tok, cfg, p, params, lambda c: CALL + "<|im_end|>")
+    group, decisions, engine = run_episodes(tok, cfg, p, params,
+                                            lambda c: CALL + "<|im_end|>")
     s = group.samples[0]
     assert s.meta["turns"] == 3 and s.meta["episode_end"] == "limit"
     assert s.meta["env_reward"] == 0.0

@@ -19,6 +19,7 @@ the problem's answer.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Protocol
 
@@ -56,7 +57,7 @@ class ToolEnv:
 
     def __init__(self, cfg, problem):
         self.answer = str(problem.answer).strip()
-        self.toolbox = TOOLBOXES.get(tuple(cfg.generate.tools)) or _toolbox(cfg.generate.tools)
+        self.toolbox = toolbox(tuple(cfg.generate.tools))
         self.format = cfg.generate.tool_format
         self.calls = 0
 
@@ -84,9 +85,7 @@ class ToolEnv:
         return {"role": "tool", "content": "\n".join(results)}, 0.0, False, {}
 
 
-TOOLBOXES: dict[tuple[str, ...], Toolbox] = {}
-
-
-def _toolbox(names: list[str]) -> Toolbox:
-    TOOLBOXES[tuple(names)] = box = Toolbox.from_names(list(names))
-    return box
+@functools.cache
+def toolbox(names: tuple[str, ...]) -> Toolbox:
+    """One Toolbox per set of tool names, shared by the episodes that use it."""
+    return Toolbox.from_names(list(names))

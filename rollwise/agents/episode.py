@@ -6,8 +6,10 @@ in-flight control and the engine's batching apply). After a turn, the environmen
 model's text and answers; its observation becomes tokens through the chat template
 (rollwise.agents.turns) and is appended with loss mask 0, behaviour log-probability 0 and
 version -1 (no policy sampled it), while every model token keeps its own log-probability and
-version. The next turn's request is the episode so far (the engine prefills what it does not
-hold; `agent/prefill_tokens` counts those tokens).
+version. The next turn's request is the episode so far, prefilled again by the engine.
+
+The round's ledger counts episodes, turns, ends by reason (env, limit, error), splits, and the
+tokens prefilled again (decisions/agent/reprefill/tokens).
 
 Limits: generate.max_turns model turns, generate.max_new_tokens per turn,
 generate.max_episode_tokens per episode. An environment that raises ends its episode
@@ -48,17 +50,17 @@ class EpisodeGenerator:
         self.make_env = build_env_factory(cfg)
         self.turns = turns_for(tokenizer)
         self.live: dict[str, Episode] = {}  # sample uid -> its unfinished episode
-        self.metrics = {"agent/turns": 0.0, "agent/episodes": 0.0, "agent/splits": 0.0,
-                        "agent/env_errors": 0.0, "agent/prefill_tokens": 0.0}
+        self.ledger = None  # the current round's (Rollout.ledger): turns, ends, splits
 
     def generate(self, rollout, problems, step: int) -> None:
+        self.ledger = rollout.ledger
         for p in problems:
             group = Group(p.id, [], p)
             for _ in range(p.group_size or self.group_size):
                 e = self._start(p, group, step)
                 self.live[e.sample.uid] = e
             rollout.add(group)
-            self.metrics["agent/episodes"] += len(group.samples)
+            self.ledger.decide("agent", "episode", "start", len(group.samples))
         while True:
             rollout.run()
             again: dict[int, tuple[Group, list[Sample]]] = {}
@@ -103,7 +105,7 @@ class EpisodeGenerator:
         s = e.sample
         turn_ids = s.response_ids[s.meta["turn_start"]:]
         e.turns += 1
-        self.metrics["agent/turns"] += 1
+        self.ledger.decide("agent", "turn", "model")
         action = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
         e.messages.append({"role": "assistant", "content": action})
         try:
@@ -132,7 +134,8 @@ class EpisodeGenerator:
             self._finish(e, "limit")
             return
         s.extend(ids, [0.0] * len(ids), [-1] * len(ids), [0.0] * len(ids), trainable=False)
-        self.metrics["agent/prefill_tokens"] += len(s.prompt_ids) + s.num_tokens
+        # the next turn's request prefills the whole episode again (no K/V kept between turns)
+        self.ledger.decide("agent", "reprefill", "tokens", len(s.prompt_ids) + s.num_tokens)
         s.meta["turn_start"] = s.num_tokens
         s.meta["turn_budget"] = min(self.turn_tokens, self.episode_tokens - s.num_tokens)
         s.status = Status.RUNNING
@@ -153,17 +156,17 @@ class EpisodeGenerator:
         e.sample = new
         e.group.samples.append(new)  # queued with the others' next turns
         new.status = Status.RUNNING
-        self.metrics["agent/splits"] += 1
+        self.ledger.decide("agent", "split", "template")
 
     def _finish(self, e: Episode, why: str) -> None:
         e.done = True
+        self.ledger.decide("agent", "end", why)
         e.sample.meta["episode_end"] = why
         e.sample.meta["turns"] = e.turns
         for piece in e.pieces:  # every piece of a split episode is credited with its reward
             piece.meta["env_reward"] = e.sample.meta["env_reward"]
 
     def _fail(self, e: Episode, where: str, ex: Exception) -> None:
-        self.metrics["agent/env_errors"] += 1
         e.sample.meta["env_error"] = f"{where}: {type(ex).__name__}: {ex}"
         e.sample.status = Status.FAILED
         self._finish(e, "error")

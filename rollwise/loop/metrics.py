@@ -36,21 +36,22 @@ def trained_versions(r: StepResult) -> list[int]:
 def step_metrics(r: StepResult) -> dict[str, float]:
     samples = [s for g in r.scored for s in g.samples]
     n_gen = sum(s.num_tokens for s in samples)
+    trained = trained_versions(r)
     ledger = r.ledger.metrics()
     # trained tokens of this step's generation (replayed ones are counted under replay/)
     ledger["tokens/trained"] = ledger.get("tokens/trained", 0.0) + float(
         int(r.train.get("train/tokens", 0) - r.replay.get("replay/tokens", 0)))
     return {
-        **r.replay, **r.filter, **r.control, **r.engine, "perf/gen_seconds": r.seconds["gen"], **r.train,
+        **r.replay, **r.filter, **r.control, **r.engine,
+        "perf/gen_seconds": r.seconds["gen"], **r.train,
         "perf/train_seconds": r.seconds["train"], **r.sync, **ledger,
         "step": r.step, "reward/mean": sum(s.reward for s in samples) / len(samples),
         "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),
         "groups/scored": len(r.scored), "groups/trained": len(r.trained),
         "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),
-        "tokens/stale": sum(v < r.version - 1 for v in trained_versions(r)),
+        "tokens/stale": sum(v < r.version - 1 for v in trained),
         # versions between the policy updated (r.version - 1) and its oldest trained token
-        "staleness/max": max((r.version - 1 - v for v in trained_versions(r)),
-                                    default=0),
+        "staleness/max": max((r.version - 1 - v for v in trained), default=0),
         "tokens/generated": n_gen, "tokens/decoded": r.decoded,
         "response/length_mean": n_gen / len(samples),
         "samples/total": len(samples),

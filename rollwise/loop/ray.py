@@ -326,7 +326,7 @@ class WorkerPool:
             elif s.worker == dead:
                 s.worker = -1  # paused: resume() places it
 
-    def _lost(self, key: int, why: str) -> None:
+    def _lost(self, key: int) -> None:
         actor = self.workers.pop(key, None)
         if actor is None:
             return
@@ -357,10 +357,10 @@ class WorkerPool:
         try:
             out, tokens, version = ray.get(ref, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
-            self._lost(key, "timeout")
+            self._lost(key)
             raise _WorkerLost(key) from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
-            self._lost(key, "died")
+            self._lost(key)
             raise _WorkerLost(key) from None
         self._tokens[key] = tokens
         self.tokens_generated = self._dead_tokens + sum(self._tokens.values())

@@ -187,7 +187,6 @@ class Run:
         self.control.observe(r.scored, step)  # Control and Replay learn from every scored group
         r.control = self.control.metrics()
         self.replay.put(r.scored)
-        r.seconds["produce_end"] = time.time()
         return r
 
     def consume(self, r: StepResult, push=None) -> StepResult:
