@@ -78,7 +78,11 @@ def cmd_eval(args) -> int:
     scorer = eval_scorer(cfg.filter, task)
     prompter = Prompter.for_task(cfg.task, tok, task, model)
     engine = Engine(model, copy_model=False)
-    if args.vote is None:
+    if cfg.generate.strategy == "episode" and args.vote is None:
+        from rollwise.agents.evaluate import evaluate_episodes
+        metrics = evaluate_episodes(engine, prompter, task.eval, cfg, cfg.run.eval_samples,
+                                    cfg.run.eval_temperature)
+    elif args.vote is None:
         metrics = evaluate(engine, prompter, task.eval, scorer, cfg.generate.max_new_tokens,
                            cfg.run.eval_samples, cfg.run.eval_temperature)
     else:

@@ -60,7 +60,8 @@ class ModelConfig(Section):
 
 class TaskConfig(Section):
     name: str = "arith"
-    """'arith' (built-in tiers), 'gym:<reasoning-gym dataset>', or 'file' (JSONL/Parquet)."""
+    """'arith' (built-in tiers), 'calc' (multi-turn, with a calculator: configs/calc.yaml),
+    'gym:<reasoning-gym dataset>', or 'file' (JSONL/Parquet)."""
     tiers: dict[str, float] = {"add2": 0.35, "sub2": 0.35, "add3": 0.15, "chain": 0.15}
     """Built-in tiers and their share of the train mix (see rollwise.tasks.arith.TIERS)."""
     train_size: int = Field(20000, gt=0)

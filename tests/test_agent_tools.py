@@ -198,3 +198,29 @@ def test_plain_calls_give_their_argument_to_the_first_parameter():
     assert box.call(calls[0]) == ("1024", True)
     text, ok = box.call(calls[1])
     assert not ok and "unknown tool 'nope'" in text
+
+
+def _pid(tag: str) -> str:
+    """The process the tool runs in.
+
+    Args:
+        tag: Raise when it is 'boom'.
+    """
+    if tag == "boom":
+        raise ValueError("bounded boom")
+    return str(os.getpid())
+
+
+def test_a_bounded_tool_runs_in_this_process_and_still_fails_softly():
+    """`bounded` tools (the calculator) skip the child process; their errors are still
+    observations."""
+    import functools
+    bounded = functools.wraps(_pid)(lambda tag: _pid(tag))
+    bounded.bounded = True
+    forked, inproc = Toolbox([_pid]), Toolbox([bounded])
+    assert forked.call(ToolCall("_pid", {"tag": "x"}))[0] != str(os.getpid())
+    assert inproc.call(ToolCall("_pid", {"tag": "x"})) == (str(os.getpid()), True)
+    assert inproc.call(ToolCall("_pid", {"tag": "boom"})) == \
+        ("error: _pid raised ValueError: bounded boom", False)
+    assert calculator.bounded and Toolbox([calculator]).call(
+        ToolCall("calculator", {"expression": "9**99"}))[0].startswith("error: calculator raised")

@@ -82,7 +82,8 @@ class ToolEnv:
             return None, float(ok), True, {"tool_calls": self.calls}
         self.calls += len(calls)
         results = [self.toolbox.call(c)[0] for c in calls]
-        return {"role": "tool", "content": "\n".join(results)}, 0.0, False, {}
+        return {"role": "tool", "content": "\n".join(results)}, 0.0, False, \
+            {"tool_calls": self.calls}
 
 
 @functools.cache

@@ -39,7 +39,7 @@ class Episode:
 
 
 class EpisodeGenerator:
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg, tokenizer, seed: int | None = None):
         g = cfg.generate
         if not g.env:
             raise ValueError("generate.strategy=episode needs an environment: set "
@@ -51,6 +51,7 @@ class EpisodeGenerator:
         self.turns = turns_for(tokenizer)
         self.live: dict[str, Episode] = {}  # sample uid -> its unfinished episode
         self.ledger = None  # the current round's (Rollout.ledger): turns, ends, splits
+        self.seed, self.started = seed, 0  # seed: each episode samples from its own stream
 
     def generate(self, rollout, problems, step: int) -> None:
         self.ledger = rollout.ledger
@@ -99,6 +100,9 @@ class EpisodeGenerator:
         except Exception as ex:
             self._fail(e, "reset", ex)
         s.meta.update(turn_start=0, turn_budget=self.turn_tokens, env_reward=0.0)
+        if self.seed is not None:  # read by Rollout._submit
+            s.meta["seed"] = self.seed + 1_000 * self.started
+        self.started += 1
         return e
 
     def _after_turn(self, e: Episode) -> None:

@@ -1,6 +1,7 @@
 """Tools for agent episodes: typed Python functions whose signature and docstring are the
 schema (as in TRL: transformers.utils.get_json_schema reads them), called with arguments the
-model wrote, each call in a child process with a wall-clock limit.
+model wrote, each call in a child process with a wall-clock limit (in this process for a
+function marked `bounded`, whose own limits bound its work).
 
 A tool call never crashes an episode: a malformed call, an unknown tool, arguments that do
 not fit the schema, a tool that raises, hangs past its limit or returns something that is not
@@ -129,7 +130,14 @@ class Toolbox:
         return self._text(value), True
 
     def _run(self, tool: Tool, args: dict) -> tuple[str, Any]:
-        """The tool in a forked child: a hang or a crash there cannot take the run down."""
+        """The tool in a forked child: a hang or a crash there cannot take the run down. A
+        function marked `bounded = True` (its own limits bound its time and memory, as the
+        calculator's do) runs in this process: a fork costs more than its work."""
+        if getattr(tool.fn, "bounded", False):
+            try:
+                return "ok", tool.fn(**args)
+            except Exception as e:
+                return "raised", traceback.format_exception_only(type(e), e)[-1].strip()
         ctx = mp.get_context("fork")
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child, args=(tool.fn, args, send), daemon=True)

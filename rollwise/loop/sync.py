@@ -112,6 +112,10 @@ class Run:
         inputs = inputs or Inputs()
         self.device = preflight(cfg, inputs)
         self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)  # bad rows: before work
+        if getattr(self.task, "needs_episodes", False) and cfg.generate.strategy != "episode":
+            raise ValueError(f"task.name={cfg.task.name} is played in agent episodes: set "
+                             "generate.strategy=episode and generate.env (e.g. "
+                             "--config configs/calc.yaml)")
         seed_everything(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -146,6 +150,10 @@ class Run:
 
     def evaluate(self) -> dict[str, float]:
         run = self.cfg.run
+        if self.cfg.generate.strategy == "episode":  # played as training plays them
+            from rollwise.agents.evaluate import evaluate_episodes
+            return evaluate_episodes(self.engine, self.prompter, self.task.eval, self.cfg,
+                                     run.eval_samples, run.eval_temperature)
         return evaluate(self.engine, self.prompter, self.task.eval, self.eval_scorer,
                         self.cfg.generate.max_new_tokens, run.eval_samples, run.eval_temperature)
 

@@ -2,7 +2,8 @@
 
 A task gives `train` and `eval` lists of Problem and `extract_answer(response_text)`, the
 string the verifier compares with the problem's answer. Built in: `arith` (tiers of growing
-difficulty), `gym:<name>` (reasoning-gym), `file` (JSONL/Parquet rows of prompt and answer).
+difficulty), `calc` (multi-turn episodes with a calculator), `gym:<name>` (reasoning-gym),
+`file` (JSONL/Parquet rows of prompt and answer).
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ def load_task(cfg: TaskConfig, rows: Any = None, eval_rows: Any = None) -> Task:
     if cfg.name == "arith":
         from rollwise.tasks.arith import ArithTask
         return ArithTask(cfg)
+    if cfg.name == "calc":
+        from rollwise.tasks.calc import CalcTask
+        return CalcTask(cfg)
     if cfg.name.startswith("gym:"):
         from rollwise.tasks.gym import GymTask
         return GymTask(cfg)
     if cfg.name == "file":
         from rollwise.tasks.files import FileTask
         return FileTask(cfg)
-    raise ValueError(f"task.name = {cfg.name!r}: use 'arith', 'gym:<reasoning-gym dataset>' "
-                     "or 'file'")
+    raise ValueError(f"task.name = {cfg.name!r}: use 'arith', 'calc' (multi-turn, with a "
+                     "calculator), 'gym:<reasoning-gym dataset>' or 'file'")

@@ -20,8 +20,12 @@ from rollwise.tasks import Task
 
 
 def cache_path(cfg: Config) -> Path:
-    key = json.dumps({"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
-                      "sft": cfg.sft.model_dump(), "seed": cfg.run.seed}, sort_keys=True)
+    parts = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
+             "sft": cfg.sft.model_dump(), "seed": cfg.run.seed}
+    g = cfg.generate
+    if g.strategy == "episode":  # the transcripts' environment turns depend on these
+        parts["episode"] = [g.env, g.tools, g.tool_format]
+    key = json.dumps(parts, sort_keys=True)
     return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -54,21 +58,34 @@ def sft_examples(task: Task, tokenizer, noise: float | dict[str, float],
 
 
 def collate(examples, pad_id: int):
-    T = max(len(ids) for ids, _ in examples)
+    """Examples are (ids, prompt length) or (ids, prompt length, loss mask over the response:
+    an episode's environment tokens are not trained)."""
+    T = max(len(ex[0]) for ex in examples)
     ids = torch.full((len(examples), T), pad_id)
     attn = torch.zeros((len(examples), T), dtype=torch.long)
     labels = torch.full((len(examples), T), -100)
-    for i, (seq, plen) in enumerate(examples):
+    for i, (seq, plen, *mask) in enumerate(examples):
         ids[i, :len(seq)] = torch.tensor(seq)
         attn[i, :len(seq)] = 1
         labels[i, plen:len(seq)] = ids[i, plen:len(seq)]  # loss on the response only
+        if mask:
+            labels[i, plen:len(seq)][torch.tensor(mask[0]) == 0] = -100
     return ids, attn, labels
+
+
+def examples_for(cfg: Config, task: Task, tokenizer):
+    """A task that plays episodes (task.worked_actions) is warm-started on the teacher's
+    transcripts, environment included; others on their worked solutions."""
+    if hasattr(task, "worked_actions"):
+        from rollwise.agents.transcripts import episode_examples
+        return episode_examples(cfg, task, tokenizer, cfg.sft.noise, cfg.run.seed)
+    return sft_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed)
 
 
 def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None):
     """Train in place for cfg.sft.steps; eval_fn(model) -> metrics dict, every eval_every."""
     c = cfg.sft
-    examples = sft_examples(task, tokenizer, c.noise, cfg.run.seed)
+    examples = examples_for(cfg, task, tokenizer)
     rng = random.Random(cfg.run.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=0.01)
     warm = max(1, c.steps // 20)

@@ -148,6 +148,9 @@ class Rollout:
         if s.num_tokens > start or budget != params.max_new_tokens:
             params = dataclasses.replace(params,
                                          max_new_tokens=budget - (s.num_tokens - start))
+        if "seed" in s.meta:  # a sample's own stream (sampled evaluation): each request of it
+            # draws from the sample's seed and its length, whatever else the engine runs
+            params = dataclasses.replace(params, seed=s.meta["seed"] + s.num_tokens)
         s.status = Status.RUNNING
         seq_id = self.engine.add(Request(s.prompt_ids + s.response_ids, params, s.uid))
         self._owner[seq_id] = (group, s, s.num_tokens)

@@ -1,0 +1,92 @@
+"""The built-in multi-turn arithmetic task for agent episodes (task.name=calc,
+configs/calc.yaml: generate.strategy=episode with the `tools` environment and a calculator).
+
+Tiers: small (sums of numbers below 20: 400 facts the tiny model learns by heart), mul2 (a 2-digit number
+times a 1-digit one) and mul3 (3-digit by 3-digit: a million products, which the model can
+only get right through the calculator). Answers are numbers written most significant digit
+first, as the calculator returns them; the tools environment scores the last number of the
+model's final turn.
+
+Worked solutions are the teacher's actions (`worked_actions`), replayed through the
+environment for the warm start (rollwise.agents.transcripts): a direct answer for a small sum,
+`calculator(a*b)` and then the result for the products. The noisy teacher (sft.noise of its
+solutions) answers a product directly with a near miss and no call, so the warm start calls
+the calculator only part of the time and RL has the tool use to learn.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rollwise.config import TaskConfig
+from rollwise.tasks import Problem
+from rollwise.tasks.arith import noisy_answer
+
+
+def _small(r: random.Random): return r.randint(0, 19), "+", r.randint(0, 19)
+def _mul2(r: random.Random): return r.randint(10, 99), "*", r.randint(2, 9)
+def _mul3(r: random.Random): return r.randint(100, 999), "*", r.randint(100, 999)
+
+
+TIERS = {"small": _small, "mul2": _mul2, "mul3": _mul3}
+TOOL_TIERS = {"mul2", "mul3"}  # the teacher calls the calculator for these
+DEFAULT_TIERS = {"small": 0.3, "mul2": 0.3, "mul3": 0.4}
+_OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
+
+
+class CalcTask:
+    score_fn = None
+    plain_prompts = True
+    needs_episodes = True  # its worked solutions and answers are tool-using episodes
+
+    def __init__(self, cfg: TaskConfig):
+        # task.tiers left at its default (the arith task's tiers) means this task's own
+        tiers = cfg.tiers if "tiers" in cfg.model_fields_set else DEFAULT_TIERS
+        unknown = set(tiers) - set(TIERS)
+        if unknown:
+            raise ValueError(f"task.tiers: unknown calc tier(s) {sorted(unknown)}; choose "
+                             f"from {sorted(TIERS)}")
+        if sum(tiers.values()) <= 0 or any(w < 0 for w in tiers.values()):
+            raise ValueError(f"task.tiers = {tiers}: weights must be >= 0 with a positive sum")
+        names = [t for t, w in tiers.items() if w > 0]
+        weights = [tiers[t] for t in names]
+        rng = random.Random(cfg.seed)
+        seen: set[str] = set()
+        self.eval = self._draw(names, weights, cfg.eval_size, rng, seen, "eval")
+        self.train = self._draw(names, weights, cfg.train_size, rng, seen, "train")
+
+    @staticmethod
+    def _draw(names, weights, n, rng, exclude, split) -> list[Problem]:
+        """n problems, tiers drawn by weight; eval prompts are unique and never in train."""
+        out, tries = [], 0
+        while len(out) < n:
+            tries += 1
+            if tries > 100 * n + 1000:
+                raise ValueError(f"too few distinct calc problems for {n} {split} prompts; "
+                                 "lower task.eval_size")
+            tier = rng.choices(names, weights=weights)[0]
+            a, op, b = TIERS[tier](rng)
+            prompt = f"{a}{op}{b}="
+            if prompt in exclude:
+                continue
+            if split == "eval":
+                exclude.add(prompt)
+            out.append(Problem(id=f"{split}-{tier}-{len(out)}", prompt=prompt,
+                               answer=str(_OPS[op](a, b)), tier=tier,
+                               data={"a": a, "op": op, "b": b}))
+        return out
+
+    def worked_actions(self, problem: Problem, rng: random.Random, noisy: bool) -> list[str]:
+        """The teacher's turns: the calculator call and its result for a product, the answer
+        for a sum; a noisy teacher answers with a near miss and no call."""
+        if noisy:
+            return [noisy_answer(int(problem.answer), rng)]
+        if problem.tier in TOOL_TIERS:
+            expression = problem.prompt.rstrip("=")
+            return [f"calculator({expression})", problem.answer]
+        return [problem.answer]
+
+    def extract_answer(self, response: str) -> str | None:
+        """The last number of the response (the final turn's answer)."""
+        digits = "".join(c if c.isdigit() or c == "-" else " " for c in response).split()
+        return digits[-1] if digits else None
