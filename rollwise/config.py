@@ -212,7 +212,7 @@ class EchoConfig(Section):
 class GenerateConfig(Section):
     strategy: GenerateStrategyName = "group"
     """How trajectories are proposed: group (i.i.d. samples per prompt), latr or echo (tree
-    rollouts), or 'package.module:factory' called as factory(cfg, tokenizer)
+    rollouts), episode (multi-turn agent episodes), cod (Connect-the-Dots pack plays), or 'package.module:factory' called as factory(cfg, tokenizer)
     (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -223,7 +223,8 @@ class GenerateConfig(Section):
     """Tokens per response; per model turn in an agent episode."""
     env: str | None = None
     """generate.strategy=episode: the environment, by name (tools) or
-    'package.module:factory' called as factory(cfg, problem) (rollwise.agents.env)."""
+    'package.module:factory' called as factory(cfg, problem) (rollwise.agents.env);
+    strategy=cod: the pack environment (remap; rollwise.agents.packs)."""
     tools: list[str] = []
     """The tools an episode's environment offers: calculator, python, or
     'package.module:function' (a typed function with a docstring)."""

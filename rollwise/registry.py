@@ -48,9 +48,12 @@ BUILTIN: dict[str, dict[str, str]] = {
     "generator": {"group": "rollwise.stages.generate.group:GroupGenerator",
                   "latr": "rollwise.stages.generate.latr:LatrGenerator",
                   "echo": "rollwise.stages.generate.echo:EchoGenerator",
-                  "episode": "rollwise.agents.episode:EpisodeGenerator"},
+                  "episode": "rollwise.agents.episode:EpisodeGenerator",
+                  "cod": "rollwise.agents.packs:CoDGenerator"},
     # factory(cfg, problem) -> Environment (rollwise.agents.env), one per episode
     "env": {"tools": "rollwise.agents.env:ToolEnv"},
+    # factory(cfg, problem) -> PackEnvironment (rollwise.agents.packs), one per pack play
+    "pack": {"remap": "rollwise.tasks.packs:RemapPack"},
     # factory(cfg) -> InflightController
     "inflight": {"none": "rollwise.stages.control.inflight:RunToEnd",
                  "april": "rollwise.stages.control.april:April",

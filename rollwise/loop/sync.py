@@ -112,10 +112,12 @@ class Run:
         inputs = inputs or Inputs()
         self.device = preflight(cfg, inputs)
         self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)  # bad rows: before work
-        if getattr(self.task, "needs_episodes", False) and cfg.generate.strategy != "episode":
-            raise ValueError(f"task.name={cfg.task.name} is played in agent episodes: set "
-                             "generate.strategy=episode and generate.env (e.g. "
-                             "--config configs/calc.yaml)")
+        for flag, strategy, example in (("needs_episodes", "episode", "calc"),
+                                        ("needs_packs", "cod", "packs")):
+            if getattr(self.task, flag, False) and cfg.generate.strategy != strategy:
+                raise ValueError(f"task.name={cfg.task.name} is played by generate.strategy="
+                                 f"{strategy}: set it and generate.env (e.g. --config "
+                                 f"configs/{example}.yaml)")
         seed_everything(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -150,6 +152,10 @@ class Run:
 
     def evaluate(self) -> dict[str, float]:
         run = self.cfg.run
+        if self.cfg.generate.strategy == "cod":  # packs: success by position, hints shuffled
+            from rollwise.agents.packs import evaluate_packs
+            return evaluate_packs(self.engine, self.task.eval, self.cfg, self.tokenizer,
+                                  self.prompter.stop_ids)
         if self.cfg.generate.strategy == "episode":  # played as training plays them
             from rollwise.agents.evaluate import evaluate_episodes
             return evaluate_episodes(self.engine, self.prompter, self.task.eval, self.cfg,

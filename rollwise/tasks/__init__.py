@@ -2,7 +2,8 @@
 
 A task gives `train` and `eval` lists of Problem and `extract_answer(response_text)`, the
 string the verifier compares with the problem's answer. Built in: `arith` (tiers of growing
-difficulty), `calc` (multi-turn episodes with a calculator), `gym:<name>` (reasoning-gym),
+difficulty), `calc` (multi-turn episodes with a calculator), `packs` (Connect-the-Dots packs),
+`gym:<name>` (reasoning-gym),
 `file` (JSONL/Parquet rows of prompt and answer).
 """
 
@@ -48,6 +49,9 @@ def load_task(cfg: TaskConfig, rows: Any = None, eval_rows: Any = None) -> Task:
     if cfg.name == "calc":
         from rollwise.tasks.calc import CalcTask
         return CalcTask(cfg)
+    if cfg.name == "packs":
+        from rollwise.tasks.packs import PacksTask
+        return PacksTask(cfg)
     if cfg.name.startswith("gym:"):
         from rollwise.tasks.gym import GymTask
         return GymTask(cfg)
@@ -55,4 +59,4 @@ def load_task(cfg: TaskConfig, rows: Any = None, eval_rows: Any = None) -> Task:
         from rollwise.tasks.files import FileTask
         return FileTask(cfg)
     raise ValueError(f"task.name = {cfg.name!r}: use 'arith', 'calc' (multi-turn, with a "
-                     "calculator), 'gym:<reasoning-gym dataset>' or 'file'")
+                     "calculator), 'packs' (Connect-the-Dots), 'gym:<reasoning-gym dataset>' or 'file'")

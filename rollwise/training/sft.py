@@ -23,7 +23,7 @@ def cache_path(cfg: Config) -> Path:
     parts = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
              "sft": cfg.sft.model_dump(), "seed": cfg.run.seed}
     g = cfg.generate
-    if g.strategy == "episode":  # the transcripts' environment turns depend on these
+    if g.strategy in ("episode", "cod"):  # the transcripts' environment texts depend on these
         parts["episode"] = [g.env, g.tools, g.tool_format]
     key = json.dumps(parts, sort_keys=True)
     return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -79,6 +79,9 @@ def examples_for(cfg: Config, task: Task, tokenizer):
     if hasattr(task, "worked_actions"):
         from rollwise.agents.transcripts import episode_examples
         return episode_examples(cfg, task, tokenizer, cfg.sft.noise, cfg.run.seed)
+    if hasattr(task, "teacher_hint"):  # Connect-the-Dots packs, played by the teacher
+        from rollwise.agents.packs import pack_examples
+        return pack_examples(cfg, task, tokenizer, cfg.sft.noise, cfg.run.seed)
     return sft_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed)
 
 
