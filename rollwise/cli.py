@@ -64,7 +64,7 @@ def cmd_sft(args) -> int:
 def cmd_eval(args) -> int:
     from rollwise import models
     from rollwise.engine import Engine
-    from rollwise.evaluate import evaluate, vote
+    from rollwise.evaluate import EPISODIC, evaluate, vote
     from rollwise.stages.filter import eval_scorer
     from rollwise.tasks import load_task
     from rollwise.tasks.prompts import Prompter
@@ -78,10 +78,13 @@ def cmd_eval(args) -> int:
     scorer = eval_scorer(cfg.filter, task)
     prompter = Prompter.for_task(cfg.task, tok, task, model)
     engine = Engine(model, copy_model=False)
-    if cfg.generate.strategy == "episode" and args.vote is None:
+    if cfg.generate.strategy in EPISODIC and args.vote is None:
         from rollwise.agents.evaluate import evaluate_episodes
         metrics = evaluate_episodes(engine, prompter, task.eval, cfg, cfg.run.eval_samples,
                                     cfg.run.eval_temperature)
+    elif cfg.generate.strategy == "cod" and args.vote is None:
+        from rollwise.agents.packs import evaluate_packs
+        metrics = evaluate_packs(engine, task.eval, cfg, tok, prompter.stop_ids)
     elif args.vote is None:
         metrics = evaluate(engine, prompter, task.eval, scorer, cfg.generate.max_new_tokens,
                            cfg.run.eval_samples, cfg.run.eval_temperature)

@@ -156,6 +156,17 @@ class EngineConfig(Section):
         return self
 
 
+class TraceConfig(Section):
+    """TRACE (generate.strategy=trace; METHODS.md §3.10, rollwise.agents.trace_rollout)."""
+    roots: int = Field(2, ge=1)
+    """Episodes per problem played from the prompt first; the rest of the group size goes
+    to the anchors the allocation picks."""
+    allocation: Literal["trace", "root"] = "trace"
+    """trace: by predicted P(mixed) over the prompts and turn prefixes; root: every
+    continuation from the prompts (the i.i.d. baseline at the same budget)."""
+    predictor_lr: float = Field(0.5, gt=0)
+
+
 class LatrConfig(Section):
     """LATR (generate.strategy=latr; METHODS.md §2.7). Defaults: the paper's math setting."""
     tau_abs: float = Field(0.15, ge=0, le=1)
@@ -212,7 +223,8 @@ class EchoConfig(Section):
 class GenerateConfig(Section):
     strategy: GenerateStrategyName = "group"
     """How trajectories are proposed: group (i.i.d. samples per prompt), latr or echo (tree
-    rollouts), episode (multi-turn agent episodes), cod (Connect-the-Dots pack plays), or 'package.module:factory' called as factory(cfg, tokenizer)
+    rollouts), episode (multi-turn agent episodes), trace (episodes with TRACE's turn-prefix
+    allocation), cod (Connect-the-Dots pack plays), or 'package.module:factory' called as factory(cfg, tokenizer)
     (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -238,6 +250,7 @@ class GenerateConfig(Section):
     max_turns."""
     latr: LatrConfig = LatrConfig()
     echo: EchoConfig = EchoConfig()
+    trace: TraceConfig = TraceConfig()
 
 
 class SandboxConfig(Section):

@@ -10,6 +10,7 @@ from rollwise.tasks import Problem
 from rollwise.tasks.prompts import Prompter
 
 EVAL_SEED = 1_000_003  # sampled evals draw from fixed seeds: the same call gives the same number
+EPISODIC = ("episode", "trace")  # generate.strategy values whose samples are agent episodes
 
 
 def evaluate(engine: Engine, prompter: Prompter, problems: list[Problem], scorer: Scorer,

@@ -22,7 +22,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     "advantage": {n: "rollwise.training.advantages:" + f for n, f in (
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
-        ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"))},
+        ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"), ("trace", "trace"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
     "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
                       "echo": "rollwise.training.confidence:echo_shaping"},
@@ -49,6 +49,7 @@ BUILTIN: dict[str, dict[str, str]] = {
                   "latr": "rollwise.stages.generate.latr:LatrGenerator",
                   "echo": "rollwise.stages.generate.echo:EchoGenerator",
                   "episode": "rollwise.agents.episode:EpisodeGenerator",
+                  "trace": "rollwise.agents.trace_rollout:TraceGenerator",
                   "cod": "rollwise.agents.packs:CoDGenerator"},
     # factory(cfg, problem) -> Environment (rollwise.agents.env), one per episode
     "env": {"tools": "rollwise.agents.env:ToolEnv"},

@@ -36,6 +36,9 @@ class Episode:
     turns: int = 0
     done: bool = False
     pieces: list[Sample] = field(default_factory=list)  # earlier samples of a split episode
+    offset: int = 0  # tokens of a turn prefix it continues (TRACE), held in its prompt
+    cuts: list[tuple[int, int, dict]] = field(default_factory=list)  # after each continued
+    # turn: (the sample's tokens, the messages so far, the environment's info so far)
 
 
 class EpisodeGenerator:
@@ -54,14 +57,25 @@ class EpisodeGenerator:
         self.seed, self.started = seed, 0  # seed: each episode samples from its own stream
 
     def generate(self, rollout, problems, step: int) -> None:
+        self.begin(rollout, problems, step)
+        self.play(rollout)
+
+    def begin(self, rollout, problems, step: int, n: int | None = None) -> list[Episode]:
+        """Start n episodes per problem (default: its group size), one group each."""
         self.ledger = rollout.ledger
+        started = []
         for p in problems:
             group = Group(p.id, [], p)
-            for _ in range(p.group_size or self.group_size):
+            for _ in range(n or p.group_size or self.group_size):
                 e = self._start(p, group, step)
                 self.live[e.sample.uid] = e
+                started.append(e)
             rollout.add(group)
             self.ledger.decide("agent", "episode", "start", len(group.samples))
+        return started
+
+    def play(self, rollout) -> None:
+        """Turn after turn, until no live episode of the round has a turn left."""
         while True:
             rollout.run()
             again: dict[int, tuple[Group, list[Sample]]] = {}
@@ -119,7 +133,7 @@ class EpisodeGenerator:
         except Exception as ex:
             self._fail(e, "step", ex)
             return
-        used = s.num_tokens
+        used = s.num_tokens + e.offset
         if done or observation is None or s.status != Status.COMPLETED or \
                 e.turns >= self.max_turns or used >= self.episode_tokens:
             self._finish(e, "env" if done or observation is None else "limit")
@@ -134,14 +148,15 @@ class EpisodeGenerator:
         if ids is None:  # the template cannot extend this turn exactly: a new sample
             self._split(e)
             return
-        if s.num_tokens + len(ids) >= self.episode_tokens:  # no room left for a model turn
+        if used + len(ids) >= self.episode_tokens:  # no room left for a model turn
             self._finish(e, "limit")
             return
         s.extend(ids, [0.0] * len(ids), [-1] * len(ids), [0.0] * len(ids), trainable=False)
+        e.cuts.append((s.num_tokens, len(e.messages), dict(info or {})))
         # the next turn's request prefills the whole episode again (no K/V kept between turns)
         self.ledger.decide("agent", "reprefill", "tokens", len(s.prompt_ids) + s.num_tokens)
         s.meta["turn_start"] = s.num_tokens
-        s.meta["turn_budget"] = min(self.turn_tokens, self.episode_tokens - s.num_tokens)
+        s.meta["turn_budget"] = min(self.turn_tokens, self.episode_tokens - used - len(ids))
         s.status = Status.RUNNING
 
     def _split(self, e: Episode) -> None:

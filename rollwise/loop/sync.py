@@ -25,7 +25,7 @@ from rollwise import models
 from rollwise.config import Config, dump_config
 from rollwise.devices import resolve_device
 from rollwise.engine.backends import build_engine
-from rollwise.evaluate import evaluate
+from rollwise.evaluate import EPISODIC, evaluate
 from rollwise.loop.metrics import StepResult, step_metrics
 from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
@@ -112,12 +112,12 @@ class Run:
         inputs = inputs or Inputs()
         self.device = preflight(cfg, inputs)
         self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)  # bad rows: before work
-        for flag, strategy, example in (("needs_episodes", "episode", "calc"),
-                                        ("needs_packs", "cod", "packs")):
-            if getattr(self.task, flag, False) and cfg.generate.strategy != strategy:
+        for flag, strategies, example in (("needs_episodes", EPISODIC, "calc"),
+                                          ("needs_packs", ("cod",), "packs")):
+            if getattr(self.task, flag, False) and cfg.generate.strategy not in strategies:
                 raise ValueError(f"task.name={cfg.task.name} is played by generate.strategy="
-                                 f"{strategy}: set it and generate.env (e.g. --config "
-                                 f"configs/{example}.yaml)")
+                                 f"{' or '.join(strategies)}: set it and generate.env (e.g. "
+                                 f"--config configs/{example}.yaml)")
         seed_everything(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -156,7 +156,7 @@ class Run:
             from rollwise.agents.packs import evaluate_packs
             return evaluate_packs(self.engine, self.task.eval, self.cfg, self.tokenizer,
                                   self.prompter.stop_ids)
-        if self.cfg.generate.strategy == "episode":  # played as training plays them
+        if self.cfg.generate.strategy in EPISODIC:  # played as training plays them
             from rollwise.agents.evaluate import evaluate_episodes
             return evaluate_episodes(self.engine, self.prompter, self.task.eval, self.cfg,
                                      run.eval_samples, run.eval_temperature)

@@ -123,6 +123,18 @@ def cod(x: AdvantageInputs) -> AdvantageOutput:
     return out
 
 
+def trace(x: AdvantageInputs) -> AdvantageOutput:
+    """TRACE (METHODS.md §3.10): each reward minus the mean over the samples continued from
+    the same prefix (meta['trace_anchor'], written by generate.strategy=trace)."""
+    from rollwise.training.cod import baseline_advantages
+    if len(x.meta) != len(x.rewards) or any("trace_anchor" not in m for m in x.meta):
+        raise ValueError("train.advantage = 'trace' needs every sample's meta['trace_anchor'], "
+                         "as generate.strategy=trace writes it")
+    keys = [m["trace_anchor"] for m in x.meta]
+    return _out(torch.tensor(baseline_advantages(list(zip(keys, x.rewards.tolist()))),
+                             dtype=torch.float))
+
+
 def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): no critic, no group baseline;
     the outcome reward (minus the KL penalty when kl_mode='reward') is whitened over the

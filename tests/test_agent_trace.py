@@ -1,0 +1,107 @@
+"""TRACE rollouts (rollwise.agents.trace_rollout) on a scripted engine: a continuation of a turn
+prefix holds the root's tokens up to the cut in its prompt and an environment replayed to the
+same point, so a deterministic policy continues it into the root's own episode token for token;
+the budget is the group size; the allocation follows the predictor; advantages are taken among
+the samples of one anchor."""
+
+import pytest
+import torch
+
+from rollwise.agents.trace_rollout import TraceGenerator, features
+from rollwise.config import load_config
+from rollwise.engine import SamplingParams
+from rollwise.models import char_tokenizer
+from rollwise.stages.control.inflight import RunToEnd
+from rollwise.stages.generate.rollout import Rollout
+from rollwise.stages.ledger import Ledger
+from rollwise.tasks import Problem
+from rollwise.training.advantages import AdvantageInputs, trace
+from tests.test_agent_episodes import ScriptedEngine
+
+TRACE = ["generate.strategy=trace", "generate.env=tools", "generate.tools=[calculator]",
+         "generate.tool_format=plain", "generate.group_size=6", "generate.trace.roots=2",
+         "generate.max_new_tokens=24", "generate.max_turns=3"]
+
+
+def calls_then_copies(conversation: str) -> str:
+    if "tool:" not in conversation:
+        return "calculator(" + conversation.split("=")[0] + ")<eos>"
+    return conversation.rsplit("tool: ", 1)[1].split(";")[0] + "<eos>"
+
+
+def run(extra=(), script=calls_then_copies, predictor=None, problems=None):
+    tok = char_tokenizer()
+    cfg = load_config(None, TRACE + list(extra))
+    gen = TraceGenerator(cfg, tok)
+    if predictor is not None:
+        gen.predictor.w = torch.tensor(predictor)
+    problems = problems or [Problem("p0", "417*386=", str(417 * 386)),
+                            Problem("p1", "12*34=", str(12 * 34))]
+    for p in problems:
+        p.prompt_ids = tok.encode(p.prompt, add_special_tokens=False)
+    rollout = Rollout(ScriptedEngine(tok, script), RunToEnd(), Ledger(),
+                      SamplingParams(max_new_tokens=24, stop_ids=(tok.eos_token_id,)))
+    gen.generate(rollout, problems, step=1)
+    return rollout, tok, gen
+
+
+def test_a_continuation_of_a_deterministic_policy_is_its_root_episode():
+    # the predictor favours depth-1 cuts (p = 0.5) over the prompts (p ~ 1)
+    rollout, tok, _ = run(predictor=[10.0, 0.0, 0.0, 0.0, 0.0])
+    # the budget is the batch's: 2 roots per problem, and 2 x (6 - 2) continuations in all
+    assert sum(len(g.samples) for g in rollout.groups) == 12
+    for g in rollout.groups:
+        root = g.samples[0]
+        whole = root.prompt_ids + root.response_ids
+        assert tok.decode(root.response_ids).startswith("calculator(")
+        for s in g.samples[2:]:
+            assert s.meta["trace_depth"] == 1 and s.meta["trace_anchor"].endswith("@1")
+            cut = len(s.prompt_ids) - len(root.prompt_ids)
+            assert s.prompt_ids == whole[:len(s.prompt_ids)]  # the root's tokens to the cut
+            assert tok.decode(whole[len(root.prompt_ids):][:cut]).endswith(";tool: " +
+                                                                          g.problem.answer + ";")
+            assert s.prompt_ids + s.response_ids == whole  # continued into the same episode
+            assert all(m == 1 for m in s.loss_mask)  # only its own turn is trained
+            assert s.meta["env_reward"] == 1.0 and s.meta["env_tool_calls"] == 1
+    d = rollout.ledger.decisions
+    assert d["trace/continue/depth1"] == 8 and d["trace/continue/depth0"] == 0
+    cuts = {s.meta["trace_anchor"] for g in rollout.groups for s in g.samples[2:]}
+    assert d["trace/siblings/sets"] == 2 + len(cuts) and d["trace/siblings/mixed"] == 0
+
+
+def test_root_allocation_spends_the_budget_on_the_prompts():
+    rollout, _, _ = run(["generate.trace.allocation=root"])
+    d = rollout.ledger.decisions
+    assert d["trace/continue/depth0"] == 8 and d["trace/continue/depth1"] == 0
+    for g in rollout.groups:
+        assert {s.meta["trace_anchor"] for s in g.samples} == {f"{g.problem.id}@0"}
+
+
+def test_mixed_sets_are_counted_and_the_predictor_learns_from_them():
+    def flaky(conversation):  # copies the result right only for the first problem
+        out = calls_then_copies(conversation)
+        return "9<eos>" if "tool:" in conversation and "12*34" in conversation else out
+    rollout, _, gen = run(predictor=[10.0, 0.0, 0.0, 0.0, 0.0], script=flaky)
+    for g in rollout.groups:
+        won = {s.meta["env_reward"] for s in g.samples}
+        assert won == ({1.0} if g.problem.id == "p0" else {0.0})
+    # after the update, a depth-1 prefix with a call is no longer predicted certain
+    x = torch.tensor([features(1, 3, {"tool_calls": 1}, 0)])
+    assert 0.0 < float(gen.predictor.predict(x)) < 1.0
+
+
+def test_the_trace_estimator_baselines_each_anchor():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    meta = [{"trace_anchor": k} for k in ("a@0", "a@0", "r@1", "r@1", "r@1")]
+    x = AdvantageInputs(rewards=rewards, group_index=torch.zeros(5, dtype=torch.long),
+                        meta=meta)
+    adv = trace(x).advantages.tolist()
+    assert adv == pytest.approx([0.5, -0.5, 1 / 3, 1 / 3, -2 / 3])
+    with pytest.raises(ValueError, match="trace_anchor"):
+        trace(AdvantageInputs(rewards=rewards, group_index=torch.zeros(5, dtype=torch.long),
+                              meta=[{}] * 5))
+
+
+def test_roots_must_leave_a_budget():
+    with pytest.raises(ValueError, match="fewer roots"):
+        TraceGenerator(load_config(None, TRACE + ["generate.trace.roots=6"]), char_tokenizer())
