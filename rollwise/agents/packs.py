@@ -60,7 +60,7 @@ class CoDGenerator:
             raise ValueError("generate.strategy=cod plays each pack's episodes in order; "
                              f"control.inflight={cfg.control.inflight} would carry an episode "
                              "out of its pack: set control.inflight=none")
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.tokenizer = tokenizer
         self.repeats = cfg.generate.group_size
         self.make_env = build_pack_factory(cfg)
         self.prompter = Prompter(cfg.task, tokenizer)  # a chat template when it has one

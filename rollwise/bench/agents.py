@@ -1,0 +1,167 @@
+"""Agent training on the built-in environments, 3 seeds from one warm start per task:
+
+    rollwise bench agents --json [--seeds 0 1 2] [key=value ...]
+
+- tool: configs/calc.yaml (products only the calculator gets right). Held-out sampled
+  pass@1 before and after RL; the hardest tier (mul3) solved with and without a call.
+- cod: configs/packs.yaml (Connect-the-Dots). After RL, the slope of solve success on the
+  task's position in an eval pack (8 tasks), with the pack's own hints and with hints shuffled
+  across packs.
+- trace: configs/calc.yaml with generate.strategy=trace, TRACE's allocation against the same
+  budget spent on the prompts only (generate.trace.allocation=root, i.i.d. groups). Mixed-reward
+  sibling sets per sampled token over the run, and steps to a held-out pass@1 target.
+
+Top-level keys (medians over seeds): tool_success_delta, cod_position_slope,
+cod_shuffled_slope, trace_mixed_ratio (TRACE's mixed sets per sampled token over root-only's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+DEFAULTS = ["run.log=quiet", "run.report=false", "run.tensorboard=false"]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CALC, PACKS = str(CONFIGS / "calc.yaml"), str(CONFIGS / "packs.yaml")
+TOOL_STEPS, COD_STEPS, TRACE_STEPS = 30, 40, 20
+
+
+def warm_start(config: str, base: list[str], log) -> str:
+    from rollwise.config import load_config
+    from rollwise.tasks import load_task
+    from rollwise.training import sft
+    cfg = load_config(config, base + ["run.seed=0"])
+    sft.warm_start(cfg, load_task(cfg.task), log=log)
+    return str(sft.cache_path(cfg))
+
+
+def run(config: str, overrides: list[str]) -> list[dict]:
+    """The run's metrics rows (evaluations included)."""
+    from rollwise.config import load_config
+    from rollwise.loop.sync import train
+    from rollwise.report.data import read_metrics
+    summary = train(load_config(config, overrides))
+    return read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
+
+
+def evals(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "eval/pass1" in r]
+
+
+def first_and_last(config: str, base: list[str], init: str, seed: int, name: str,
+                   steps: int, evaluations: int) -> tuple[dict, dict]:
+    """The first and last evaluation of an RL run from the warm start `init`."""
+    rows = evals(run(config, base + [
+        f"run.init={init}", f"run.seed={seed}", f"run.name={name}-seed{seed}",
+        f"train.steps={steps}", f"run.eval_every={max(1, steps // evaluations)}"]))
+    return rows[0], rows[-1]
+
+
+def tool_arm(base: list[str], init: str, seed: int) -> dict:
+    first, last = first_and_last(CALC, base, init, seed, "tool", TOOL_STEPS, 3)
+    return {"start": first["eval/pass1"], "end": last["eval/pass1"],
+            "delta": last["eval/pass1"] - first["eval/pass1"],
+            "tool_use_start": first["eval/tool_use"], "tool_use_end": last["eval/tool_use"],
+            "mul3_end": last["eval/pass1/mul3"],
+            "mul3_without_tool_end": last["eval/solved_without_tool/mul3"]}
+
+
+def cod_arm(base: list[str], init: str, seed: int) -> dict:
+    first, last = first_and_last(PACKS, base, init, seed, "cod", COD_STEPS, 2)
+    return {"slope_start": first["eval/position_slope"], "slope": last["eval/position_slope"],
+            "shuffled_slope": last["eval/shuffled_slope"], "pass1_start": first["eval/pass1"],
+            "pass1": last["eval/pass1"], "shuffled_pass1": last["eval/shuffled_pass1"],
+            "by_position": [last[f"eval/pass1/pos{i}"] for i in range(8)]}
+
+
+def trace_arm(base: list[str], init: str, seed: int, allocation: str, target: float) -> dict:
+    rows = run(CALC, base + [
+        f"run.init={init}", f"run.seed={seed}", f"run.name=trace-{allocation}-seed{seed}",
+        "generate.strategy=trace", f"generate.trace.allocation={allocation}",
+        "train.advantage=trace", f"train.steps={TRACE_STEPS}", "run.eval_every=5"])
+    steps = [r for r in rows if "tokens/generated" in r]
+    tokens = sum(r["tokens/generated"] for r in steps)
+    mixed = sum(r.get("decisions/trace/siblings/mixed", 0) for r in steps)
+    sets = sum(r.get("decisions/trace/siblings/sets", 0) for r in steps)
+    reached = next((r["step"] for r in evals(rows) if r["eval/pass1"] >= target), None)
+    return {"sampled_tokens": tokens, "sibling_sets": sets, "mixed_sets": mixed,
+            "mixed_per_1k_tokens": 1000 * mixed / max(tokens, 1), "steps_to_target": reached,
+            "final": evals(rows)[-1]["eval/pass1"]}
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; with b = 0, inf when a > 0 and nan when both are 0 (nothing to compare)."""
+    return a / b if b else (math.inf if a else math.nan)
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else math.nan
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rollwise bench agents", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--target", type=float, default=0.7, help="TRACE's held-out pass@1 target")
+    p.add_argument("--root", default="runs/bench-agents")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    base = [*DEFAULTS, *args.overrides, f"run.root={args.root}"]
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    calc, packs = warm_start(CALC, base, log), \
+        warm_start(PACKS, base, log)
+    tool, cod, trace = [], [], []
+    for seed in args.seeds:
+        tool.append(tool_arm(base, calc, seed))
+        cod.append(cod_arm(base, packs, seed))
+        arms = {a: trace_arm(base, calc, seed, a, args.target) for a in ("trace", "root")}
+        arms["ratio"] = ratio(arms["trace"]["mixed_per_1k_tokens"],
+                              arms["root"]["mixed_per_1k_tokens"])
+        trace.append(arms)
+        log(f"seed {seed}: tool {tool[-1]['start']:.3f} -> {tool[-1]['end']:.3f}; cod slope "
+            f"{cod[-1]['slope']:.3f} (shuffled {cod[-1]['shuffled_slope']:.3f}); trace mixed "
+            f"ratio {arms['ratio']:.2f}")
+    out = {
+        "tool_success_delta": median([t["delta"] for t in tool]),
+        "cod_position_slope": median([c["slope"] for c in cod]),
+        "cod_shuffled_slope": median([c["shuffled_slope"] for c in cod]),
+        "trace_mixed_ratio": median([t["ratio"] for t in trace]),
+        "trace_steps_to_target": {a: median([t[a]["steps_to_target"] for t in trace])
+                                  for a in ("trace", "root")},
+        "trace_reached": {a: sum(t[a]["steps_to_target"] is not None for t in trace)
+                          for a in ("trace", "root")},
+        "target": args.target, "seeds": args.seeds,
+        "runs": {"tool": tool, "cod": cod, "trace": trace},
+    }
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(markdown(out))
+    return 0
+
+
+def markdown(out: dict) -> str:
+    runs = out["runs"]
+    lines = ["| seed | tool pass@1 start → end | mul3 end (without a call) | CoD slope start → end "
+             "| shuffled | TRACE mixed / 1k tok | root | TRACE steps | root steps |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for seed, t, c, tr in zip(out["seeds"], runs["tool"], runs["cod"], runs["trace"]):
+        lines.append(
+            f"| {seed} | {t['start']:.3f} → {t['end']:.3f} | {t['mul3_end']:.3f} "
+            f"({t['mul3_without_tool_end']:.3f}) | {c['slope_start']:.3f} → {c['slope']:.3f} | "
+            f"{c['shuffled_slope']:.3f} | {tr['trace']['mixed_per_1k_tokens']:.2f} | "
+            f"{tr['root']['mixed_per_1k_tokens']:.2f} | {tr['trace']['steps_to_target']} | "
+            f"{tr['root']['steps_to_target']} |")
+    keys = ("tool_success_delta", "cod_position_slope", "cod_shuffled_slope",
+            "trace_mixed_ratio")
+    return "\n".join(lines + [""] + [f"{k}: {out[k]:.3f}" for k in keys])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
