@@ -99,9 +99,11 @@ class EpisodeGenerator:
                 # a round an everyone-decision ended pauses these at once (carried onward)
                 rollout.requeue(group, samples)
 
-    def _start(self, problem, group: Group, step: int) -> Episode:
+    def _start(self, problem, group: Group, step: int, join: bool = True) -> Episode:
+        """A new episode; `join`: its sample joins the group now (else the caller adds it)."""
         s = new_sample(problem, problem.prompt_ids, step)
-        group.samples.append(s)
+        if join:
+            group.samples.append(s)
         messages = [as_message(problem.prompt)] if isinstance(problem.prompt, str) else \
             list(problem.prompt)
         e = Episode(s, None, group, messages)

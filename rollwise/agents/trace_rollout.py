@@ -104,7 +104,7 @@ class TraceGenerator(EpisodeGenerator):
         tokens so far as its prompt and the environment replayed to the same point."""
         root, group = anchor["root"], anchor["root"].group
         if anchor["depth"] == 0:
-            e = self._start(group.problem, group, step)
+            e = self._start(group.problem, group, step, join=False)
         else:
             s = new_sample(group.problem, root.sample.prompt_ids
                            + root.sample.response_ids[:anchor["tokens"]], step)
