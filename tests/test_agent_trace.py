@@ -73,7 +73,8 @@ def test_root_allocation_spends_the_budget_on_the_prompts():
     rollout, _, _ = run(["generate.trace.allocation=root"])
     d = rollout.ledger.decisions
     assert d["trace/continue/depth0"] == 8 and d["trace/continue/depth1"] == 0
-    for g in rollout.groups:
+    for g in rollout.groups:  # i.i.d. groups of the group size, each sample once
+        assert len(g.samples) == 6 and len({s.uid for s in g.samples}) == 6
         assert {s.meta["trace_anchor"] for s in g.samples} == {f"{g.problem.id}@0"}
 
 
