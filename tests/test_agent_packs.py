@@ -180,3 +180,20 @@ def test_the_built_in_agent_configs_train_in_the_loop(tmp_path, name):
         assert all("cod_key" in m and "cod_return" in m for m in metas)
         last = json.loads((tmp_path / "agents" / "metrics.jsonl").read_text().splitlines()[-1])
         assert "eval/position_slope" in last and "eval/shuffled_slope" in last
+
+
+def test_a_controller_that_pauses_an_episode_is_refused(tiny):
+    import copy
+
+    from rollwise.engine import Engine
+    from rollwise.stages.control.inflight import Decision
+
+    class PauseAll(RunToEnd):
+        def on_event(self, event, sample, rollout):
+            return Decision("pause", "test", everyone=True)
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    cfg = load_config(None, PACKS)
+    rollout = Rollout(Engine(model, segment=2), PauseAll(), Ledger(),
+                      SamplingParams(max_new_tokens=8, stop_ids=(tok.eos_token_id,)))
+    with pytest.raises(RuntimeError, match="without in-flight control"):
+        CoDGenerator(cfg, tok).generate(rollout, [pack("p", "plus", [[3, 2], [4, 1]])], 1)

@@ -122,6 +122,10 @@ class CoDGenerator:
         for g, ss in by_group.values():
             rollout.extend(g, ss)
         rollout.run()
+        if any(not s.finished for _, s in samples):  # a plugin controller paused one
+            raise RuntimeError("an in-flight controller paused a Connect-the-Dots episode; a "
+                               "pack's episodes must each finish before the next: run "
+                               "generate.strategy=cod without in-flight control")
         return [s for _, s in samples]
 
     def _text(self, s: Sample) -> str:
