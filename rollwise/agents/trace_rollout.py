@@ -32,6 +32,11 @@ from rollwise.stages.generate.group import new_sample
 N_FEATURES = 4
 
 
+def won(e: Episode) -> float:
+    """1 when the episode earned a reward of 1 or more without an environment error."""
+    return float(e.sample.meta.get("env_reward", 0.0) >= 1.0 and "env_error" not in e.sample.meta)
+
+
 def features(depth: int, max_turns: int, info: dict, errors: int) -> list[float]:
     """An anchor's history: at the prompt, depth in turns, tool calls so far, errors seen."""
     calls = float(info.get("tool_calls", 0))
@@ -130,8 +135,6 @@ class TraceGenerator(EpisodeGenerator):
 
     def _learn(self, roots: list[Episode], continued: list[tuple[dict, Episode]]) -> None:
         """Count mixed sibling sets; fit the predictor to every outcome from an anchor."""
-        won = lambda e: float(e.sample.meta.get("env_reward", 0.0) >= 1.0  # noqa: E731
-                              and "env_error" not in e.sample.meta)
         sets: dict[str, list[float]] = {}
         xs, ys = [], []
         for e in roots:

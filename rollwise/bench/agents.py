@@ -148,7 +148,8 @@ def main(argv: list[str]) -> int:
 
 def markdown(out: dict) -> str:
     runs = out["runs"]
-    lines = ["| seed | tool pass@1 start → end | mul3 end (without a call) | CoD slope start → end "
+    lines = ["| seed | tool pass@1 start → end | mul3 end (without a call) "
+             "| CoD slope start → end "
              "| shuffled | TRACE mixed / 1k tok | root | TRACE steps | root steps |",
              "|---|---|---|---|---|---|---|---|---|"]
     for seed, t, c, tr in zip(out["seeds"], runs["tool"], runs["cod"], runs["trace"]):

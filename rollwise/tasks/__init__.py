@@ -59,4 +59,5 @@ def load_task(cfg: TaskConfig, rows: Any = None, eval_rows: Any = None) -> Task:
         from rollwise.tasks.files import FileTask
         return FileTask(cfg)
     raise ValueError(f"task.name = {cfg.name!r}: use 'arith', 'calc' (multi-turn, with a "
-                     "calculator), 'packs' (Connect-the-Dots), 'gym:<reasoning-gym dataset>' or 'file'")
+                     "calculator), 'packs' (Connect-the-Dots), 'gym:<reasoning-gym dataset>' "
+                     "or 'file'")

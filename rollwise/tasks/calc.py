@@ -1,11 +1,11 @@
 """The built-in multi-turn arithmetic task for agent episodes (task.name=calc,
 configs/calc.yaml: generate.strategy=episode with the `tools` environment and a calculator).
 
-Tiers: small (sums of numbers below 20: 400 facts the tiny model learns by heart), mul2 (a 2-digit number
-times a 1-digit one) and mul3 (3-digit by 3-digit: a million products, which the model can
-only get right through the calculator). Answers are numbers written most significant digit
-first, as the calculator returns them; the tools environment scores the last number of the
-model's final turn.
+Tiers: small (sums of numbers below 20: 400 facts the tiny model learns by heart), mul2 (a
+2-digit number times a 1-digit one) and mul3 (3-digit by 3-digit: a million products, which
+the model can only get right through the calculator). Answers are numbers written most
+significant digit first, as the calculator returns them; the tools environment scores the
+last number of the model's final turn.
 
 Worked solutions are the teacher's actions (`worked_actions`), replayed through the
 environment for the warm start (rollwise.agents.transcripts): a direct answer for a small sum,

@@ -23,7 +23,8 @@ def cache_path(cfg: Config) -> Path:
     parts = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
              "sft": cfg.sft.model_dump(), "seed": cfg.run.seed}
     g = cfg.generate
-    if g.strategy in ("episode", "trace", "cod"):  # the transcripts' environment texts depend on these
+    if g.strategy in ("episode", "trace", "cod"):
+        # the environment writes part of the transcripts the warm start learns from
         parts["episode"] = [g.env, g.tools, g.tool_format]
     key = json.dumps(parts, sort_keys=True)
     return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
