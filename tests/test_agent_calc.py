@@ -17,7 +17,7 @@ from rollwise.stages.control.inflight import RunToEnd
 from rollwise.stages.generate.rollout import Rollout
 from rollwise.stages.ledger import Ledger
 from rollwise.models import build, char_tokenizer
-from rollwise.tasks import load_task
+from rollwise.tasks import Problem, load_task
 from rollwise.tasks.prompts import Prompter
 from rollwise.training.sft import collate
 from rollwise.types import Group, Sample
@@ -93,7 +93,6 @@ def _episode(tier, reward, calls, split=False, error=False):
         s.meta["split"] = True
     if error:
         s.meta["env_error"] = "step: RuntimeError"
-    from rollwise.tasks import Problem
     return Group(tier, [s], Problem(tier, "x", "1", tier=tier))
 
 

@@ -76,6 +76,11 @@ def test_root_allocation_spends_the_budget_on_the_prompts():
     for g in rollout.groups:  # i.i.d. groups of the group size, each sample once
         assert len(g.samples) == 6 and len({s.uid for s in g.samples}) == 6
         assert {s.meta["trace_anchor"] for s in g.samples} == {f"{g.problem.id}@0"}
+    # a problem's own group size (Control's per-prompt sizes) is its budget
+    sized = [Problem("p0", "417*386=", str(417 * 386), group_size=3),
+             Problem("p1", "12*34=", str(12 * 34), group_size=9)]
+    rollout, _, _ = run(["generate.trace.allocation=root"], problems=sized)
+    assert [len(g.samples) for g in rollout.groups] == [3, 9]
 
 
 def test_mixed_sets_are_counted_and_the_predictor_learns_from_them():

@@ -26,6 +26,7 @@ task with the hint a play of another pack wrote: the control for whether hints c
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass, field
 
 from rollwise.stages.generate.group import new_sample
@@ -199,9 +200,7 @@ def evaluate_packs(engine, problems, cfg, tokenizer, stop_ids) -> dict[str, floa
 
 def slope(points: list[tuple[float, float]]) -> float:
     """The least-squares slope of y on x (0 when x does not vary)."""
-    n = len(points)
-    if n < 2:
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    if len(set(xs)) < 2:
         return 0.0
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return statistics.linear_regression(xs, ys).slope

@@ -58,8 +58,7 @@ class TraceGenerator(EpisodeGenerator):
         roots = self.begin(rollout, problems, step, n=self.roots)
         self.play(rollout)
         anchors = self._anchors(roots)
-        budget = sum((p.group_size or self.group_size) - self.roots for p in problems)
-        counts = self._allocation(anchors, budget)
+        counts = self._allocation(anchors)
         continued = []
         for anchor, n in zip(anchors, counts):
             for _ in range(n):
@@ -90,19 +89,18 @@ class TraceGenerator(EpisodeGenerator):
         self.ledger.decide("trace", "anchor", "count", len(out))
         return out
 
-    def _allocation(self, anchors: list[dict], budget: int) -> list[int]:
-        """Continuations per anchor: TRACE's greedy allocation, or (allocation=root) every
-        one from the prompts, round robin, as i.i.d. groups would."""
+    def _allocation(self, anchors: list[dict]) -> list[int]:
+        """Continuations per anchor: each problem's group size less its roots, shared over
+        the batch by TRACE's greedy allocation, or (allocation=root) each problem's own from
+        its prompt, as i.i.d. groups would."""
         if not anchors:
             return []
+        left = [(a["root"].group.problem.group_size or self.group_size) - self.roots
+                if a["depth"] == 0 else 0 for a in anchors]  # one prompt anchor per problem
         if not self.allocate_all:
-            prompts = [i for i, a in enumerate(anchors) if a["depth"] == 0]
-            counts = [0] * len(anchors)
-            for k in range(budget):
-                counts[prompts[k % len(prompts)]] += 1
-            return counts
+            return left
         p = self.predictor.predict(torch.tensor([a["x"] for a in anchors]))
-        return allocate(p.tolist(), budget, min_siblings=2)
+        return allocate(p.tolist(), sum(left), min_siblings=2)
 
     def _branch(self, anchor: dict, step: int) -> Episode | None:
         """A new episode from the anchor: a fresh one at the prompt; at a cut, the root's

@@ -27,6 +27,25 @@ class Problem:
     group_size: int | None = None  # samples Control wants for it this round; None: the default
 
 
+def draw_unique(n: int, draw: Callable[[int], Problem], exclude: set[str], split: str,
+                what: str) -> list[Problem]:
+    """n problems from draw(index), none whose prompt is in `exclude`; eval prompts are unique
+    and join it (train may repeat, never an eval prompt). Built-in tasks draw with it."""
+    out, tries = [], 0
+    while len(out) < n:
+        tries += 1
+        if tries > 100 * n + 1000:
+            raise ValueError(f"{what} has too few distinct problems for {n} {split} prompts; "
+                             "lower task.eval_size")
+        p = draw(len(out))
+        if p.prompt in exclude:
+            continue
+        if split == "eval":
+            exclude.add(p.prompt)
+        out.append(p)
+    return out
+
+
 class Task(Protocol):
     train: list[Problem]
     eval: list[Problem]

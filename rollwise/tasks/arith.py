@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 
 from rollwise.config import TaskConfig
-from rollwise.tasks import Problem
+from rollwise.tasks import Problem, draw_unique
 
 WIDTH = 10  # prompt width in characters, left-padded with spaces
 
@@ -124,22 +124,13 @@ class ArithTask:
 
     @staticmethod
     def _draw(tier, n, rng, exclude, split):
-        """n problems of a tier, none in `exclude`; eval prompts are unique and join it."""
-        out, tries = [], 0
-        while len(out) < n:
-            tries += 1
-            if tries > 100 * n + 1000:
-                raise ValueError(f"tier {tier!r} has too few distinct problems for {n} {split} "
-                                 "prompts; lower task.eval_size")
+        """n problems of a tier, none in `exclude` (rollwise.tasks.draw_unique)."""
+        def draw(i: int) -> Problem:
             prompt, value = TIERS[tier](rng)
-            if prompt in exclude:
-                continue
-            if split == "eval":
-                exclude.add(prompt)
-            out.append(Problem(id=f"{split}-{tier}-{len(out)}", prompt=prompt.rjust(WIDTH),
-                               answer=str(value), tier=tier, solution=encode_answer(value),
-                               data={"value": value}))
-        return out
+            return Problem(id=f"{split}-{tier}-{i}", prompt=prompt.rjust(WIDTH),
+                           answer=str(value), tier=tier, solution=encode_answer(value),
+                           data={"value": value})
+        return draw_unique(n, draw, exclude, split, f"tier {tier!r}")
 
     def noisy_solution(self, problem: Problem, rng: random.Random) -> str:
         return noisy_answer(int(problem.answer), rng)[::-1]

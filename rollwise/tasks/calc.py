@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from rollwise.config import TaskConfig
-from rollwise.tasks import Problem
+from rollwise.tasks import Problem, draw_unique
 from rollwise.tasks.arith import noisy_answer
 
 
@@ -57,24 +57,14 @@ class CalcTask:
 
     @staticmethod
     def _draw(names, weights, n, rng, exclude, split) -> list[Problem]:
-        """n problems, tiers drawn by weight; eval prompts are unique and never in train."""
-        out, tries = [], 0
-        while len(out) < n:
-            tries += 1
-            if tries > 100 * n + 1000:
-                raise ValueError(f"too few distinct calc problems for {n} {split} prompts; "
-                                 "lower task.eval_size")
+        """n problems, tiers drawn by weight (rollwise.tasks.draw_unique)."""
+        def draw(i: int) -> Problem:
             tier = rng.choices(names, weights=weights)[0]
             a, op, b = TIERS[tier](rng)
-            prompt = f"{a}{op}{b}="
-            if prompt in exclude:
-                continue
-            if split == "eval":
-                exclude.add(prompt)
-            out.append(Problem(id=f"{split}-{tier}-{len(out)}", prompt=prompt,
-                               answer=str(_OPS[op](a, b)), tier=tier,
-                               data={"a": a, "op": op, "b": b}))
-        return out
+            return Problem(id=f"{split}-{tier}-{i}", prompt=f"{a}{op}{b}=",
+                           answer=str(_OPS[op](a, b)), tier=tier,
+                           data={"a": a, "op": op, "b": b})
+        return draw_unique(n, draw, exclude, split, "the calc task")
 
     def worked_actions(self, problem: Problem, rng: random.Random, noisy: bool) -> list[str]:
         """The teacher's turns: the calculator call and its result for a product, the answer
