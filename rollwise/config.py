@@ -140,6 +140,13 @@ class EngineConfig(Section):
     kv_budget_bytes: int | None = Field(None, gt=0)
     """The same cap in bytes of K and V (2 x layers x kv heads x head dim x dtype size per
     token); give this or kv_budget_tokens. vllm: its kv_cache_memory_bytes."""
+    prefix_cache_tokens: int | Literal["auto"] = "auto"
+    """builtin: K/V positions kept from finished requests for later requests that start with
+    the same tokens (an agent's next turn prefills only the environment's tokens; a TRACE
+    continuation reuses its root's prefix). Emptied at each round and each weight update.
+    0: off. auto: when generate.env is set (episodes), room for a step's episodes
+    (prompts_per_step x group_size x 2 x the episode's token limit); else off. vllm always
+    uses its own prefix cache."""
     gpu_memory_utilization: float = Field(0.45, gt=0, lt=1)
     """vllm on a GPU beside the trainer: the share of the device's memory vLLM takes (weights
     and KV cache); the trainer uses the rest. Ignored on CPU."""
@@ -153,6 +160,12 @@ class EngineConfig(Section):
         if self.kv_budget_tokens and self.kv_budget_bytes:
             raise ValueError("engine.kv_budget_tokens and engine.kv_budget_bytes both set: give "
                              "one of them")
+        if self.prefix_cache_tokens != "auto" and 0 < self.prefix_cache_tokens < 16:
+            raise ValueError(f"engine.prefix_cache_tokens = {self.prefix_cache_tokens}: give 0 "
+                             f"(off), auto, or at least 16 (one block of the cache)")
+        if self.prefix_cache_tokens != "auto" and self.prefix_cache_tokens < 0:
+            raise ValueError(f"engine.prefix_cache_tokens = {self.prefix_cache_tokens}: give 0 "
+                             f"(off), auto, or at least 16")
         return self
 
 

@@ -189,6 +189,22 @@ def check_top_logprobs(engine, model, tol: float) -> None:
         assert max(abs(a - b) for (_, a), b in zip(top, vals.tolist())) < tol
 
 
+def check_next_turn_reuses_the_prefix(engine, model, block: int) -> None:
+    """An agent's next turn (a finished request's ids + new tokens) reuses the K/V the engine
+    kept: its first event reports at least the whole blocks of what the engine had run (the
+    prompt and the turn but its last token), and the tokens are still the model's."""
+    prompt = [(7 * i) % 40 + 3 for i in range(block + 3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    turn = engine.generate([Request(prompt, params)])[0].token_ids
+    episode = prompt + turn + [4, 5, 6]
+    sid = engine.add(Request(episode, params))
+    events = drain(engine)
+    seen = len(prompt) + len(turn) - 1
+    cached = sum(e.cached_tokens for e in events if e.seq_id == sid)
+    assert seen // block * block <= cached <= seen
+    assert collect(events, sid) == hf_greedy(model, episode, 8)
+
+
 def check_load_weights(engine, model, new_state: dict, version: int) -> None:
     """After load_weights, new tokens carry the version and follow the new weights (the
     reference model must already hold `new_state`)."""

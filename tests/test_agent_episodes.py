@@ -86,9 +86,11 @@ def test_an_episode_is_the_templates_rendering_token_for_token():
     group, decisions, engine = run_episodes(tok, cfg, p, params, tool_then_answer)
     assert len(group.samples) == 2
     assert decisions["agent/turn/model"] == 4 and decisions["agent/end/env"] == 2
-    # the second turns prefilled each episode again: prompt, first turn and observation
-    assert decisions["agent/reprefill/tokens"] == sum(
-        len(r.prompt_ids) for r in engine.requests[2:])
+    # this engine keeps no K/V: the second turns ran prompt and first turn (but its last
+    # token, never fed) through the model again
+    turn1 = tok.encode(CALL + "<|im_end|>", add_special_tokens=False)
+    assert decisions["agent/reprefill/tokens"] == 2 * (len(p.prompt_ids) + len(turn1) - 1)
+    assert "agent/prefill/reused" in decisions and not decisions["agent/prefill/reused"]
     for s in group.samples:
         conversation = [*p.prompt, {"role": "assistant", "content": CALL},
                         {"role": "tool", "content": "84"},

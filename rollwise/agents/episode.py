@@ -6,10 +6,14 @@ in-flight control and the engine's batching apply). After a turn, the environmen
 model's text and answers; its observation becomes tokens through the chat template
 (rollwise.agents.turns) and is appended with loss mask 0, behaviour log-probability 0 and
 version -1 (no policy sampled it), while every model token keeps its own log-probability and
-version. The next turn's request is the episode so far, prefilled again by the engine.
+version. The next turn's request is the episode so far; an engine with a prefix cache (the
+built-in one with engine.prefix_cache_tokens, vLLM's) reuses the K/V it kept from the turn
+before and prefills only the environment's tokens.
 
-The round's ledger counts episodes, turns, ends by reason (env, limit, error), splits, and the
-tokens prefilled again (decisions/agent/reprefill/tokens).
+The round's ledger counts episodes, turns, ends by reason (env, limit, error), splits, and of
+the tokens a turn's request had been through the engine before, those it reused
+(decisions/agent/prefill/reused) and those it had to prefill again
+(decisions/agent/reprefill/tokens).
 
 Limits: generate.max_turns model turns, generate.max_new_tokens per turn,
 generate.max_episode_tokens per episode. An environment that raises ends its episode
@@ -125,6 +129,10 @@ class EpisodeGenerator:
         s = e.sample
         turn_ids = s.response_ids[s.meta["turn_start"]:]
         e.turns += 1
+        seen, cached = s.meta.pop("turn_seen", 0), s.meta.pop("kv_cached", 0)
+        if seen:  # the request of this turn held `seen` tokens the engine had run before
+            self.ledger.decide("agent", "prefill", "reused", min(seen, cached))
+            self.ledger.decide("agent", "reprefill", "tokens", max(0, seen - cached))
         self.ledger.decide("agent", "turn", "model")
         action = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
         e.messages.append({"role": "assistant", "content": action})
@@ -153,10 +161,10 @@ class EpisodeGenerator:
         if used + len(ids) >= self.episode_tokens:  # no room left for a model turn
             self._finish(e, "limit")
             return
+        # the last sampled token was never fed: the engine has run the episode up to it
+        s.meta["turn_seen"] = len(s.prompt_ids) + s.num_tokens - 1
         s.extend(ids, [0.0] * len(ids), [-1] * len(ids), [0.0] * len(ids), trainable=False)
         e.cuts.append((s.num_tokens, len(e.messages), dict(info or {})))
-        # the next turn's request prefills the whole episode again (no K/V kept between turns)
-        self.ledger.decide("agent", "reprefill", "tokens", len(s.prompt_ids) + s.num_tokens)
         s.meta["turn_start"] = s.num_tokens
         s.meta["turn_budget"] = min(self.turn_tokens, self.episode_tokens - used - len(ids))
         s.status = Status.RUNNING

@@ -63,11 +63,24 @@ def kv_budget_tokens(cfg, model) -> int | None:
     return e.kv_budget_bytes // per
 
 
+def prefix_cache_tokens(cfg) -> int:
+    """engine.prefix_cache_tokens, auto resolved: room for every episode of a step (prompt and
+    episode, the prompt taken as long as the episode) when episodes are played, else off."""
+    n, g = cfg.engine.prefix_cache_tokens, cfg.generate
+    if n != "auto":
+        return n
+    if not g.env:
+        return 0
+    episode = g.max_episode_tokens or g.max_new_tokens * g.max_turns
+    return cfg.control.prompts_per_step * g.group_size * 2 * episode
+
+
 def builtin(cfg, model, tokenizer=None, run_dir=None):
     from rollwise.engine.engine import Engine
     from rollwise.sync.engine_proc import WIRES, EngineProcess
     kwargs = dict(max_batch=cfg.engine.max_batch, seed=cfg.run.seed, segment=cfg.engine.segment,
-                  kv_budget_tokens=kv_budget_tokens(cfg, model))
+                  kv_budget_tokens=kv_budget_tokens(cfg, model),
+                  prefix_cache_tokens=prefix_cache_tokens(cfg))
     dtype = None if cfg.sync.engine_dtype == "same" else engine_dtype(cfg, model)
     if cfg.sync.transport in WIRES:
         return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport], **kwargs)

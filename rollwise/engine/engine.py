@@ -16,6 +16,13 @@ weights that produced it. `load_weights` writes new weights (full tensors or spa
 (indices, values) updates) into the model in place; tokens sampled after it carry the new version.
 Sequences already running keep the K/V computed under older weights, as in vLLM; pause and resume
 a sequence to recompute them.
+
+With `prefix_cache_tokens` > 0 the engine keeps the K/V of finished sequences (up to that many
+positions, least recently used dropped first) and a new request whose ids start with one's
+prefills only the rest: an agent's next turn (the episode so far + the environment's tokens)
+costs the new tokens only. Each request's first event says how many positions it reused
+(`Event.cached_tokens`). New weights, or `reset_prefix_cache()`, empty the cache: K/V is never
+reused across versions.
 """
 
 from __future__ import annotations
@@ -74,7 +81,8 @@ class Engine:
 
     def __init__(self, model, *, max_batch: int = 1024, seed: int = 0,
                  version: int = 0, copy_model: bool = True, segment: int = 16,
-                 kv_budget_tokens: int | None = None, max_prefill_tokens: int = 8192):
+                 kv_budget_tokens: int | None = None, max_prefill_tokens: int = 8192,
+                 prefix_cache_tokens: int = 0):
         if copy_model:
             model = copy.deepcopy(model)
             model.eval().requires_grad_(False)
@@ -85,7 +93,8 @@ class Engine:
         self.prefill_tokens = 0  # prompt (and resumed) tokens run through the model
         self.forward_passes = 0  # model forward passes (decode ticks), windows counted per pass
         self.scheduler = Scheduler(max_batch, kv_budget_tokens=kv_budget_tokens,
-                                   max_prefill_tokens=max_prefill_tokens, segment=segment)
+                                   max_prefill_tokens=max_prefill_tokens, segment=segment,
+                                   prefix_cache_tokens=prefix_cache_tokens)
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._vocab = model.get_input_embeddings().num_embeddings
@@ -97,6 +106,22 @@ class Engine:
     def prefix_tokens_saved(self) -> int:
         """Prompt and response tokens forked children did not prefill again (K/V copied)."""
         return self.scheduler.fork_tokens_saved
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Prompt positions new requests loaded from the prefix cache instead of prefilling."""
+        return self.scheduler.prefix_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every kept prefix (vLLM's reset_prefix_cache)."""
+        self.scheduler.reset_prefix_cache()
+        self._keep_prefixes()
+
+    def _keep_prefixes(self) -> None:
+        """Copy finished sequences' K/V into the prefix cache before their slots are reused."""
+        saves, drops = self.scheduler.take_saves()
+        if saves or drops:
+            self.runner.keep_prefixes(saves, drops)
 
     @property
     def model(self):
@@ -158,7 +183,9 @@ class Engine:
         self.tokens_generated += len(seqs)
         self.prefill_tokens += plan.num_tokens - len(plan.decode)
         self.forward_passes += 1
-        return events + self.scheduler.update(plan, out)
+        events += self.scheduler.update(plan, out)
+        self._keep_prefixes()
+        return events
 
     def _window(self, plan: StepPlan, steps: int) -> list[Event]:
         """Up to `steps` decode passes back to back (Scheduler.decode_window): the same sampling
@@ -185,6 +212,7 @@ class Engine:
         tokens, logps, ents = (torch.stack(x, dim=1).tolist() for x in zip(*picked))
         before = sum(len(s.tokens) for s in seqs)
         events = self.scheduler.update_window(plan, tokens, logps, ents, self.version)
+        self._keep_prefixes()
         self.tokens_generated += sum(len(s.tokens) for s in seqs) - before
         self.forward_passes += len(picked)
         return events
@@ -305,8 +333,10 @@ class Engine:
         return self.model.state_dict()
 
     def weights_written(self, version: int) -> None:
-        """Generation reads the model's tensors directly: only the version changes."""
+        """Generation reads the model's tensors directly: the version changes, and prefixes
+        kept under the old weights are dropped."""
         self.version = version
+        self.reset_prefix_cache()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | SparseUpdate | tuple],
                      version: int) -> None:

@@ -12,8 +12,9 @@ written on transformers' attention interface (Qwen2, Llama, Mistral, ...):
   step's `StepLayout`, attends each decode row to its own slot (the scheduler keeps running
   sequences in slots 0..n-1, so that is one slice of the cache, no gather; a key mask only when
   the rows sit at different positions) and runs every prefill causally over the keys of this
-  pass, all prefills in one padded call. The model gets a placeholder 4D mask, which HF's mask
-  preparation passes through untouched.
+  pass, all prefills in one padded call. A prefill that extends K/V loaded from the prefix
+  cache attends over its slot's keys instead, with the causal mask shifted by what was loaded.
+  The model gets a placeholder 4D mask, which HF's mask preparation passes through untouched.
 
 So a prefill joins the running batch in the same forward pass, and the model's parameters are
 used as they are (weights written into `model.state_dict()` in place take effect at once).
@@ -54,7 +55,23 @@ class StepLayout:
     slots: torch.Tensor  # (N,) long
     positions: torch.Tensor  # (N,) long
     column: int | None = None  # decode-only step, rows in slots 0..N-1 all at this position
+    extend: Extend | None = None  # prefills after K/V loaded from the prefix cache
 
+
+@dataclass
+class Extend:
+    """The prefills that continue K/V already in their slots: their rows come last."""
+
+    start: int  # the first of their flat rows
+    slots: torch.Tensor  # (e,) long
+    index: torch.Tensor  # (e, Q) long into their rows (padded with 0)
+    valid: torch.Tensor  # (e * Q,) long: padded positions that are real rows
+    keys: int  # K: keys 0..K-1 of the slots cover every extension
+    mask: torch.Tensor  # (e, 1, Q, K) bool: key j visible to query i of row r
+
+
+SavedKV = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]  # K, V by layer: (kv_heads,
+# positions, head_dim) each
 
 _ACTIVE = threading.local()  # the StepLayout of the pass running on this thread
 # HF models return a ready 4D mask unchanged (masking_utils); slot_attention ignores it and reads
@@ -130,6 +147,20 @@ class SlotCache:
                 view = t[:, :, :n]
                 view.index_copy_(0, dst, view.index_select(0, src))
 
+    def read(self, slot: int, n: int) -> SavedKV:
+        """A copy of one slot's first n positions: (K, V) by layer."""
+        return tuple({i: t[slot, :, :n].clone() for i, t in store.items()}  # type: ignore
+                     for store in (self.k, self.v))
+
+    def write(self, slot: int, kv: SavedKV, n: int) -> None:
+        """Put the first n positions of what `read` returned into a slot (layers the cache
+        gave back while idle are allocated again)."""
+        for store, saved in zip((self.k, self.v), kv):
+            for i, x in saved.items():
+                if i not in store:
+                    store[i] = x.new_zeros(self.rows, x.shape[0], self.length, x.shape[2])
+                store[i][slot, :, :n] = x[:, :n]
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value (1, kv_heads, N, head_dim): row i goes to (slots[i], positions[i])."""
         if layer_idx not in self.k:
@@ -175,15 +206,32 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             k, v = k.index_select(0, lay.decode_slots), v.index_select(0, lay.decode_slots)
         parts.append(_decode_attention(q, k, v, lay.decode_mask, scaling, head_dim)
                      .reshape(nd, heads, head_dim))
-    if lay.prefill_slots is not None:  # every prefill starts at position 0: its keys are all
-        m, p = lay.prefill_slots.shape[0], lay.prefill_len  # in this pass
-        fresh_k, fresh_v = (t[0].transpose(0, 1)[nd:] for t in _ACTIVE.fresh)
-        q, k, v = (_pad(x, lay, m, p) for x in (rows[nd:], fresh_k, fresh_v))
+    end = lay.extend.start if lay.extend is not None else rows.shape[0]
+    if lay.prefill_slots is not None:  # these prefills start at position 0: their keys are
+        m, p = lay.prefill_slots.shape[0], lay.prefill_len  # all in this pass
+        fresh_k, fresh_v = (t[0].transpose(0, 1)[nd:end] for t in _ACTIVE.fresh)
+        q, k, v = (_pad(x, lay.prefill_index, m, p) for x in (rows[nd:end], fresh_k, fresh_v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                              enable_gqa=heads != kv_heads)
         out = out.transpose(1, 2).reshape(m * p, heads, head_dim)
         parts.append(out if lay.prefill_valid is None else out.index_select(0, lay.prefill_valid))
+    if lay.extend is not None:
+        parts.append(_extend_attention(rows[end:], key, value, lay.extend, scaling))
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0), None
+
+
+def _extend_attention(rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ext: Extend,
+                      scaling: float | None) -> torch.Tensor:
+    """Prefills continuing K/V in their slots (written there for this pass's rows too): each
+    attends over its slot's keys up to its own position. Returns (rows, heads, head_dim)."""
+    e, q_len = ext.index.shape
+    heads, head_dim = rows.shape[1], rows.shape[2]
+    q = _pad(rows, ext.index, e, q_len)
+    k = key.index_select(0, ext.slots)[:, :, :ext.keys]
+    v = value.index_select(0, ext.slots)[:, :, :ext.keys]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ext.mask, scale=scaling,
+                                         enable_gqa=heads != k.shape[1])
+    return out.transpose(1, 2).reshape(e * q_len, heads, head_dim).index_select(0, ext.valid)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -201,10 +249,10 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(probs, v)
 
 
-def _pad(flat: torch.Tensor, lay: StepLayout, m: int, p: int) -> torch.Tensor:
-    """(tokens, heads, head_dim) of the prefills -> (m, heads, P, head_dim), padded."""
-    x = flat.view(m, p, *flat.shape[1:]) if lay.prefill_index is None \
-        else flat[lay.prefill_index]
+def _pad(flat: torch.Tensor, index: torch.Tensor | None, m: int, p: int) -> torch.Tensor:
+    """(tokens, heads, head_dim) of m prefills -> (m, heads, P, head_dim), padded by `index`
+    (None: every prefill is P long)."""
+    x = flat.view(m, p, *flat.shape[1:]) if index is None else flat[index]
     return x.transpose(1, 2)
 
 
@@ -220,14 +268,19 @@ def build_layout(plan: StepPlan, device: torch.device, dtype: torch.dtype
     slots = [s.slot for s in plan.decode]
     positions = [s.cached for s in plan.decode]
     keep = None if not plan.prefill else list(range(nd))
-    lengths = []
+    lengths, starts = [], []
     for s in plan.prefill:
-        seq_ids = s.prefill_ids
+        seq_ids = s.prefill_ids[s.cached:]
         ids += seq_ids
         slots += [s.slot] * len(seq_ids)
-        positions += range(len(seq_ids))
+        positions += range(s.cached, s.cached + len(seq_ids))
         lengths.append(len(seq_ids))
+        starts.append(s.cached)
         keep.append(len(ids) - 1)  # type: ignore[union-attr]
+    fresh = sum(1 for c in starts if c == 0)  # the scheduler puts them first
+    extend = _extend_layout(lengths[fresh:], starts[fresh:], slots, len(ids) -
+                            sum(lengths[fresh:]), device) if fresh < len(starts) else None
+    lengths = lengths[:fresh]
     if plan.prefill:
         last_row = {id(s): keep[nd + j] for j, s in enumerate(plan.prefill)}  # type: ignore
         keep += [last_row[id(lead)] for _, lead in plan.shared]  # type: ignore[operator]
@@ -245,21 +298,39 @@ def build_layout(plan: StepPlan, device: torch.device, dtype: torch.dtype
     prefill_slots = prefill_index = prefill_valid = None
     p = max(lengths, default=0)
     if lengths:
-        prefill_slots = t([s.slot for s in plan.prefill])
+        prefill_slots = t([s.slot for s in plan.prefill[:fresh]])
         if min(lengths) != p:
-            starts = [0]
-            for n in lengths[:-1]:
-                starts.append(starts[-1] + n)
-            ar = torch.arange(p)
-            valid = ar[None, :] < torch.tensor(lengths)[:, None]  # (m, P)
-            prefill_index = (torch.tensor(starts)[:, None] + ar[None, :]).where(valid, 0)
-            prefill_index = prefill_index.to(device)
-            prefill_valid = valid.flatten().nonzero().squeeze(1).to(device)
-    column = decode_len - 1 if nd and not lengths and decode_slots is None and \
+            prefill_index, prefill_valid = _padding(lengths, device)
+    column = decode_len - 1 if nd and not plan.prefill and decode_slots is None and \
         decode_mask is None else None
     layout = StepLayout(nd, decode_slots, decode_len, decode_mask, prefill_slots, p,
-                        prefill_index, prefill_valid, t(slots), t(positions), column)
+                        prefill_index, prefill_valid, t(slots), t(positions), column, extend)
     return layout, ids, keep
+
+
+def _padding(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows laid end to end with these lengths: (m, P) indices of each one's rows (0 past
+    its end) and the flat positions of the padded (m * P) layout that are real rows."""
+    offsets = [0]
+    for n in lengths[:-1]:
+        offsets.append(offsets[-1] + n)
+    ar = torch.arange(max(lengths))
+    valid = ar[None, :] < torch.tensor(lengths)[:, None]  # (m, P)
+    index = (torch.tensor(offsets)[:, None] + ar[None, :]).where(valid, 0)
+    return index.to(device), valid.flatten().nonzero().squeeze(1).to(device)
+
+
+def _extend_layout(lengths: list[int], starts: list[int], slots: list[int], first: int,
+                   device: torch.device) -> Extend:
+    """Layout of prefills whose K/V up to `starts` is in their slots; their flat rows begin at
+    `first`. Query i of row r sits at position starts[r] + i and sees keys 0..that position."""
+    index, valid = _padding(lengths, device)
+    offsets = index[:, 0].tolist()
+    keys = max(s + n for s, n in zip(starts, lengths))
+    pos = torch.tensor(starts)[:, None] + torch.arange(index.shape[1])[None, :]  # (e, Q)
+    mask = torch.arange(keys)[None, None, :] <= pos[:, :, None]  # padded queries see keys too
+    return Extend(first, torch.tensor([slots[first + o] for o in offsets], device=device), index,
+                  valid, keys, mask[:, None].to(device))
 
 
 def advance(lay: StepLayout) -> StepLayout:
@@ -286,6 +357,7 @@ class Runner:
     def __init__(self, model):
         self.model = model
         self.cache = SlotCache()
+        self.prefixes: dict[int, SavedKV] = {}  # prefix-cache entry -> its K/V
         self._hidden: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         head = model.get_output_embeddings()
@@ -356,7 +428,16 @@ class Runner:
                               max(plan.cache_len, self.cache.length))
             self.cache.copy_many(plan.copies)
         self.cache.resize(plan.cache_rows, plan.cache_len)
+        for entry, slot, n in plan.loads:
+            self.cache.write(slot, self.prefixes[entry], n)
         return build_layout(plan, param.device, param.dtype)
+
+    def keep_prefixes(self, saves: list[tuple[int, int, int]], drops: list[int]) -> None:
+        """Copy (slot, entry, positions) out of the slot cache, then free dropped entries."""
+        for slot, entry, n in saves:
+            self.prefixes[entry] = self.cache.read(slot, n)
+        for entry in drops:
+            self.prefixes.pop(entry, None)
 
     @contextmanager
     def _pass_mode(self):

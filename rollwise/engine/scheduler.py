@@ -12,6 +12,11 @@ run several decode passes between two `schedule()` calls when nothing could chan
 Memory: the runner keeps one KV row (slot) per running sequence, all rows one length long (a
 rectangle). The scheduler owns that rectangle's shape and keeps rows x length within
 `kv_budget_tokens`; a request that would not fit waits until others finish.
+
+Prefix cache (`prefix_cache_tokens` > 0): a sequence that finishes leaves its K/V as an entry of
+a PrefixIndex (rollwise/engine/prefix.py); a request admitted later whose ids start with an
+entry's gets those positions loaded into its slot (`plan.loads`) and prefills only the rest.
+The K/V is copied out of the slot right after the step that finished it (`take_saves`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rollwise.engine.prefix import PrefixIndex
 ROW_ALIGN = 8  # the cache grows in steps of 8 rows and 16 positions: rarely reallocated
 LEN_ALIGN = 16
 
@@ -61,6 +67,8 @@ class Sequence:
     slot: int | None = None
     cached: int = 0  # positions 0..cached-1 of the slot hold this sequence's K/V
     emitted: int = 0  # tokens already reported in events
+    prefix_entry: int | None = None  # the prefix-cache entry its K/V was loaded from
+    prefix_hit: int = 0  # positions loaded at its latest admission, not yet in an event
 
     @property
     def reservation(self) -> int:
@@ -82,7 +90,9 @@ class Sequence:
 
 @dataclass
 class StepPlan:
-    """One forward pass: decode rows first (one token each), then prefill rows."""
+    """One forward pass: decode rows first (one token each), then prefill rows: those from
+    position 0 first, then those extending K/V loaded from the prefix cache (their `cached`
+    positions are in their slots before the pass; they feed prefill_ids[cached:])."""
 
     decode: list[Sequence]
     prefill: list[Sequence]
@@ -90,6 +100,8 @@ class StepPlan:
     cache_rows: int
     cache_len: int
     shared: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    loads: list[tuple[int, int, int]] = field(default_factory=list)  # (prefix entry, slot,
+    # positions) to load into the slot cache before the pass
     """(follower, leader): same prefill ids as a leader prefilled in this pass; the follower
     samples from the leader's logits and gets its K/V copied after the pass (a group's samples
     share one prompt prefill)."""
@@ -99,7 +111,8 @@ class StepPlan:
     def __post_init__(self):  # fixed now: update() changes the sequences afterwards
         self.after_copies = [(lead.slot, f.slot, len(lead.prefill_ids))  # type: ignore
                              for f, lead in self.shared]
-        self.num_tokens = len(self.decode) + sum(len(s.prefill_ids) for s in self.prefill)
+        self.num_tokens = len(self.decode) + sum(len(s.prefill_ids) - s.cached
+                                                 for s in self.prefill)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -133,6 +146,9 @@ class Event:
     finish_reason: str | None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     hidden: Any = None
+    cached_tokens: int = 0  # prompt positions its request took from the prefix cache, itself or
+    # through the request whose prefill it shared (on the first event after each admission;
+    # vLLM: num_cached_tokens)
 
 
 def _round_up(n: int, align: int) -> int:
@@ -141,7 +157,8 @@ def _round_up(n: int, align: int) -> int:
 
 class Scheduler:
     def __init__(self, max_slots: int, *, kv_budget_tokens: int | None = None,
-                 max_prefill_tokens: int = 8192, segment: int = 16):
+                 max_prefill_tokens: int = 8192, segment: int = 16,
+                 prefix_cache_tokens: int = 0):
         if max_slots < 1 or segment < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_slots={max_slots}, segment={segment}, max_prefill_tokens="
                              f"{max_prefill_tokens}: each must be >= 1")
@@ -157,6 +174,10 @@ class Scheduler:
         self.cache_len = 0
         self._copies: list[tuple[int, int, int]] = []
         self.fork_tokens_saved = 0  # K/V positions forks copied instead of prefilling again
+        self.prefix = PrefixIndex(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.prefix_hit_tokens = 0  # K/V positions loaded from the prefix cache
+        self._saves: list[tuple[int, int, int]] = []  # (slot, entry, positions) to copy out
+        self._drops: list[int] = []  # entries whose K/V the runner may free
 
     # ---- requests in -----------------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -193,13 +214,17 @@ class Scheduler:
         prefill: list[Sequence] = []
         shared: list[tuple[Sequence, Sequence]] = []
         leaders: dict[tuple[int, ...], Sequence] = {}
+        loads: list[tuple[int, int, int]] = []
         budget = self.max_prefill_tokens
         rows_need, len_need = self._occupied()
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
             key = tuple(seq.prefill_ids)
             leader = leaders.get(key)
-            if leader is None and prefill and len(key) > budget:
+            hit = self.prefix.lookup(seq.prefill_ids) if leader is None and self.prefix \
+                else None
+            fed = len(key) - (hit[1] if hit else 0)
+            if leader is None and prefill and fed > budget:
                 break
             need = max(rows_need, self.free_slots[0] + 1), max(len_need, seq.reservation)
             shape = self._fit(*need)
@@ -207,18 +232,25 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._place(seq, shape)
+            seq.prefix_entry, seq.prefix_hit = hit if hit else (None, 0)
+            if hit:
+                seq.cached = hit[1]
+                loads.append((hit[0], seq.slot, hit[1]))  # type: ignore[arg-type]
+                self.prefix_hit_tokens += hit[1]
             if leader is None:
                 prefill.append(seq)
                 leaders[key] = seq
-                budget -= len(key)
-            else:
+                budget -= fed
+            else:  # its K/V is the leader's, copied: it reused what the leader loaded
                 shared.append((seq, leader))
+                seq.prefix_entry, seq.prefix_hit = leader.prefix_entry, leader.prefix_hit
             rows_need, len_need = need
+        prefill.sort(key=lambda q: q.cached > 0)  # from position 0 first, then extensions
         # shrink (or give back when idle) once finished and paused sequences left it too big
         self.cache_rows, self.cache_len = self._fit(rows_need, len_need) or (self.cache_rows,
                                                                              self.cache_len)
         copies, self._copies = self._copies, []
-        return StepPlan(decode, prefill, copies, self.cache_rows, self.cache_len, shared)
+        return StepPlan(decode, prefill, copies, self.cache_rows, self.cache_len, shared, loads)
 
     def _compact(self) -> None:
         """Move running sequences from high slots into freed low ones (a K/V row copy each),
@@ -338,14 +370,41 @@ class Scheduler:
     def event(self, seq: Sequence) -> Event:
         a = seq.emitted
         seq.emitted = len(seq.tokens)
+        hit, seq.prefix_hit = seq.prefix_hit, 0
         return Event(seq.seq_id, seq.request_id, seq.tokens[a:], seq.logprobs[a:],
                      seq.entropies[a:], seq.versions[a:], seq.status is not SeqStatus.RUNNING,
                      seq.finish_reason, seq.top_logprobs[a:] if seq.top_logprobs else None,
-                     seq.hidden)
+                     seq.hidden, hit)
 
     def _finish(self, seq: Sequence, status: SeqStatus, reason: str) -> None:
+        if status is SeqStatus.FINISHED and self.prefix is not None and seq.slot is not None:
+            self._keep_prefix(seq)
         self._release(seq)
         seq.status, seq.finish_reason = status, reason
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """Enter a finished sequence's K/V in the prefix cache (copied out by take_saves);
+        the entry it was loaded from is a prefix of it, so that one goes."""
+        if seq.prefix_entry is not None and seq.prefix_entry in self.prefix.entries:
+            self.prefix.remove(seq.prefix_entry)
+            self._drops.append(seq.prefix_entry)
+        entry, dropped = self.prefix.insert(seq.prefill_ids[:seq.cached])
+        self._drops += dropped
+        if entry is not None:
+            self._saves.append((seq.slot, entry, seq.cached))  # type: ignore[arg-type]
+
+    def take_saves(self) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """(slot, entry, positions) K/V copies into the prefix cache, and entries dropped from
+        it, since the last call. Apply them before the next step reuses the slots."""
+        out = self._saves, self._drops
+        self._saves, self._drops = [], []
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry (the weights changed)."""
+        if self.prefix is not None:
+            self._saves = []
+            self._drops += self.prefix.clear()
 
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self.running:

@@ -11,7 +11,9 @@ built-in engine:
 - entropy comes from the returned log-probabilities: exact with `entropy_logprobs=-1` (the whole
   vocabulary, the default), a top-k estimate otherwise;
 - fork and resume submit a new request with prompt + tokens so far; vLLM's prefix cache reuses
-  the shared K/V (full blocks). A child with seed s is by construction a fresh request with seed s.
+  the shared K/V (full blocks), as it does for an agent's next turn; each request's first event
+  says how many prompt tokens it reused (`Event.cached_tokens`, vLLM's num_cached_tokens).
+  A child with seed s is by construction a fresh request with seed s.
   A resumed sequence draws from a new stream (seed derived from its seed and length), because a
   vLLM request cannot restart mid-stream;
 - `load_weights` keeps a copy of the weights in Hugging Face layout (vLLM's CPU kernels repack
@@ -68,6 +70,7 @@ class VLLMEngine:
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._live: dict[int, Sequence] = {}
+        self._unanswered: set[int] = set()  # submitted, no output yet (cached tokens to read)
         self._paused: dict[int, Sequence] = {}
         self._last_dist: dict[int, dict[int, float]] = {}
         self._ready: list[Event] = []
@@ -114,6 +117,7 @@ class VLLMEngine:
                      output_kind=RequestOutputKind.DELTA, detokenize=False)
         seq.status, seq.finish_reason = SeqStatus.RUNNING, None
         self._live[seq.seq_id] = seq
+        self._unanswered.add(seq.seq_id)
         self.llm.add_request(str(seq.seq_id), {"prompt_token_ids": seq.prefill_ids}, vp)
 
     def has_unfinished(self) -> bool:
@@ -128,6 +132,9 @@ class VLLMEngine:
             if seq is None:
                 continue
             o = out.outputs[0]
+            if seq.seq_id in self._unanswered:
+                self._unanswered.discard(seq.seq_id)
+                seq.prefix_hit = out.num_cached_tokens or 0
             for j, tok in enumerate(o.token_ids):
                 self._append(seq, tok, o.logprobs[j] if o.logprobs else None)
             self.tokens_generated += len(o.token_ids)
@@ -180,6 +187,7 @@ class VLLMEngine:
         if seq.seq_id in self._live:
             self.llm.abort_request([str(seq_id)])
             del self._live[seq_id]
+            self._unanswered.discard(seq_id)
         seq.status, seq.finish_reason = SeqStatus.ABORTED, "abort"
         seq.emitted = len(seq.tokens)
         return completion_of(seq)
@@ -188,6 +196,7 @@ class VLLMEngine:
         seq = self._get_live(seq_id)
         self.llm.abort_request([str(seq_id)])
         del self._live[seq_id]
+        self._unanswered.discard(seq_id)
         seq.status, seq.finish_reason = SeqStatus.PAUSED, "paused"
         seq.emitted = len(seq.tokens)
         self._paused[seq_id] = seq
@@ -234,6 +243,9 @@ class VLLMEngine:
             else:
                 self._submit(child, seed)
         return out
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     # ---- sharing a GPU with the trainer ------------------------------------------------------
     def sleep(self) -> None:
@@ -307,9 +319,11 @@ class VLLMEngine:
 def _event(seq: Sequence) -> Event:
     a = seq.emitted
     seq.emitted = len(seq.tokens)
+    hit, seq.prefix_hit = seq.prefix_hit, 0
     return Event(seq.seq_id, seq.request_id, seq.tokens[a:], seq.logprobs[a:],
                  seq.entropies[a:], seq.versions[a:], seq.status is not SeqStatus.RUNNING,
-                 seq.finish_reason, seq.top_logprobs[a:] if seq.top_logprobs else None)
+                 seq.finish_reason, seq.top_logprobs[a:] if seq.top_logprobs else None,
+                 cached_tokens=hit)
 
 
 @contextlib.contextmanager

@@ -483,10 +483,11 @@ def shutdown() -> None:
 
 def worker_pool(cfg, model) -> WorkerPool:
     """The pool loop.backend=ray asks for: Ray started here (or joined at loop.ray_address)."""
-    from rollwise.engine.backends import engine_dtype, kv_budget_tokens
+    from rollwise.engine.backends import engine_dtype, kv_budget_tokens, prefix_cache_tokens
     start(cfg)
     dtype = None if cfg.sync.engine_dtype == "same" else engine_dtype(cfg, model)
     return WorkerPool(model, cfg.loop.rollout_workers, timeout_s=cfg.loop.wait_timeout_s,
                       dtype=dtype, threads=max(1, cfg.run.threads),
                       max_batch=cfg.engine.max_batch, seed=cfg.run.seed,
-                      segment=cfg.engine.segment, kv_budget_tokens=kv_budget_tokens(cfg, model))
+                      segment=cfg.engine.segment, kv_budget_tokens=kv_budget_tokens(cfg, model),
+                      prefix_cache_tokens=prefix_cache_tokens(cfg))

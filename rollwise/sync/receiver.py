@@ -69,6 +69,9 @@ class Receiver:
             self.engine.weights_written(meta.version)
         except Exception as e:
             self.engine.version = -1  # the weights are now neither the old nor the new version
+            reset = getattr(self.engine, "reset_prefix_cache", None)
+            if reset is not None:  # nor is K/V kept under the old ones of any use
+                reset()
             if isinstance(e, SyncError):
                 raise
             raise CorruptPayloadError(f"applying the payload for version {meta.version} failed "

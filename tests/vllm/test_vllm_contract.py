@@ -30,7 +30,8 @@ def setup(tmp_path_factory):
     model, tok = contract.wild_model(hidden=64, heads=2, kv_heads=1)  # head_dim 32 for vLLM CPU
     path = tmp_path_factory.mktemp("vllm") / "model"
     models.save(model, tok, path)
-    engine = VLLMEngine(path, max_batch=3, segment=SEGMENT, max_model_len=64)
+    # blocks of 32 tokens (vLLM's CPU default is 128): prefixes this short are cached too
+    engine = VLLMEngine(path, max_batch=3, segment=SEGMENT, max_model_len=64, block_size=32)
     return engine, model
 
 
@@ -73,6 +74,11 @@ def test_hidden_states_are_refused_with_the_reason(setup):
     engine, _ = setup
     with pytest.raises(NotImplementedError, match="hidden states"):
         engine.add(Request([1, 2], SamplingParams(return_hidden=True)))
+
+
+def test_a_next_turn_reuses_the_prefix_cache(setup):
+    engine, model = setup
+    contract.check_next_turn_reuses_the_prefix(engine, model, block=32)
 
 
 def test_load_weights_full_then_sparse(setup):

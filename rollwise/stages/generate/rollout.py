@@ -31,6 +31,9 @@ class Rollout:
         if engine.has_unfinished():
             raise RuntimeError("a rollout round needs an idle engine, but requests from an "
                                "earlier round are still in flight")
+        reset = getattr(engine, "reset_prefix_cache", None)
+        if reset is not None:  # a round reuses only its own K/V: its numbers never depend on
+            reset()  # what an earlier round (an evaluation, say) left in the cache
         self.engine, self.controller, self.ledger, self.params = engine, controller, ledger, params
         self.groups: list[Group] = []  # every group of the round, in the order added
         self.completed: list[Group] = []  # groups whose every sample finished, in that order
@@ -159,6 +162,9 @@ class Rollout:
         if ev.seq_id not in self._owner:
             return  # paused or aborted by an earlier decision of this engine step
         group, s, _ = self._owner[ev.seq_id]
+        if ev.cached_tokens:  # its prompt's K/V came from the engine's prefix cache
+            s.meta["kv_cached"] = s.meta.get("kv_cached", 0) + ev.cached_tokens
+            self.ledger.decide("engine", "prefix_cache", "tokens", ev.cached_tokens)
         s.extend(ev.token_ids, ev.logprobs, ev.versions, ev.entropies)
         if ev.finished:
             s.status = FINISH[ev.finish_reason]
