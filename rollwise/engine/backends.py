@@ -6,7 +6,8 @@ factory(cfg, model, tokenizer, run_dir) -> an engine with the protocols of engin
 - builtin: rollwise's engine, in this process or, with sync.transport=process|socket, in a child
   process fed through shared memory or a socket (rollwise.sync.engine_proc);
 - vllm: vLLM in this process (rollwise.engine.vllm), from the model saved to
-  run_dir/engine-model; the trainer's weights reach it through the same weight sync.
+  run_dir/engine-model; the trainer's weights reach it through the same weight sync;
+- with loop.backend=ray, either one in each Ray rollout worker (rollwise.loop.ray).
 
 Both read engine.max_batch, engine.segment and engine.kv_budget_tokens (or _bytes), and weights
 in sync.engine_dtype ('same': the trainer's). The built-in engine runs where the model is
@@ -26,11 +27,11 @@ def build_engine(cfg, model, tokenizer=None, run_dir: str | Path | None = None):
     """The engine `cfg.engine.backend` names, holding `model`'s weights at version 0."""
     from rollwise import registry
     if cfg.loop.backend == "ray":
-        if cfg.engine.backend != "builtin" or cfg.sync.transport != "inproc":
-            raise ValueError(f"loop.backend=ray runs built-in engines in Ray actors and ships "
-                             f"weights through the object store: set engine.backend=builtin and "
-                             f"sync.transport=inproc (got {cfg.engine.backend}, "
-                             f"{cfg.sync.transport})")
+        if cfg.engine.backend not in ("builtin", "vllm") or cfg.sync.transport != "inproc":
+            raise ValueError(f"loop.backend=ray runs built-in or vLLM engines in Ray actors and "
+                             f"ships weights through the object store: set engine.backend="
+                             f"builtin or vllm, and sync.transport=inproc (got "
+                             f"{cfg.engine.backend}, {cfg.sync.transport})")
         from rollwise.loop.ray import worker_pool
         return worker_pool(cfg, model)
     factory = registry.resolve("engine", cfg.engine.backend, "engine.backend")
@@ -97,25 +98,33 @@ def vllm(cfg, model, tokenizer, run_dir):
                          f"(got {cfg.sync.transport})")
     from rollwise import models
     from rollwise.engine.vllm import VLLMEngine
-    from rollwise.sync.payload import dtype_name
     if run_dir is None:
         raise ValueError("engine.backend=vllm needs a run directory to save the model to")
     path = Path(run_dir) / "engine-model"
     dtype = engine_dtype(cfg, model)
     copy = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     models.save(model, tokenizer, path, copy)
+    return VLLMEngine(path, **vllm_kwargs(cfg, model))
+
+
+def vllm_kwargs(cfg, model, colocated: bool = True) -> dict:
+    """VLLMEngine's arguments from the config (besides the model's folder). colocated: beside
+    the trainer, on its device (a Ray rollout worker has its own)."""
+    from rollwise.sync.payload import dtype_name
+    dtype = engine_dtype(cfg, model)
     e, extra = cfg.engine, {}
     if e.kv_budget_bytes:
         extra["kv_cache_memory_bytes"] = e.kv_budget_bytes
     elif e.kv_budget_tokens:  # vLLM sizes its KV cache in blocks of 16 tokens
         extra["num_gpu_blocks_override"] = math.ceil(e.kv_budget_tokens / 16)
-    on_gpu = next(model.parameters()).device.type == "cuda"
+    on_gpu = colocated and next(model.parameters()).device.type == "cuda"
     if e.sleep_level and not on_gpu:
         raise ValueError(f"engine.sleep_level = {e.sleep_level} needs vLLM on a CUDA GPU "
-                         "(run.device=cuda); set engine.sleep_level=0 on CPU")
+                         "beside the trainer (run.device=cuda, loop.backend=local); set "
+                         "engine.sleep_level=0")
     if on_gpu:  # colocated with the trainer: vLLM takes only its share of the device
         extra["gpu_memory_utilization"] = e.gpu_memory_utilization
         extra["enable_sleep_mode"] = e.sleep_level > 0
-    return VLLMEngine(path, seed=cfg.run.seed, max_batch=min(e.max_batch, 1024),
-                      segment=e.segment, dtype=dtype_name(dtype), sleep_level=e.sleep_level,
-                      max_model_len=model.config.max_position_embeddings, **extra)
+    return dict(seed=cfg.run.seed, max_batch=min(e.max_batch, 1024), segment=e.segment,
+                dtype=dtype_name(dtype), sleep_level=e.sleep_level,
+                max_model_len=model.config.max_position_embeddings, **extra)

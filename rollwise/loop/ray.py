@@ -1,12 +1,17 @@
-"""loop.backend=ray: rollout workers as Ray actors, each with a built-in engine, behind the one
-engine interface the stages already drive (rollwise/engine/base.py). The only module that
-imports Ray.
+"""loop.backend=ray: rollout workers as Ray actors, each with an engine (the built-in one, or
+vLLM with engine.backend=vllm), behind the one engine interface the stages already drive
+(rollwise/engine/base.py). The only module that imports Ray.
 
     rollwise train loop.backend=ray loop.rollout_workers=2              # Ray on this machine
     rollwise train loop.backend=ray loop.ray_address=ray://head:10001    # a running cluster
+    rollwise train loop.backend=ray engine.backend=vllm                 # vLLM in each worker
 
 - Requests are spread over the workers by load; a tree's children stay on their parent's
   worker (they share its K/V).
+- A vLLM worker builds the model from its config, saves it in its own temporary folder and
+  starts vLLM on it; the weights come with the first payload, as a built-in worker's do, so
+  no node needs the trainer's files. It takes a GPU where the cluster has one per worker
+  (VLLM_* environment variables of the driver are passed on).
 - Weights: each payload of the weight sync (full or sparse, rollwise/sync/) is put into the
   object store once and applied by every worker, bit-exactly verified there. The payloads since
   the last full one are kept, so a worker that joins later replays them to the current version.
@@ -27,7 +32,7 @@ import torch
 
 from rollwise.engine import Completion, Event, Request
 from rollwise.sync.engine_proc import _build_engine_in_child, _unwire, _wire
-from rollwise.sync.payload import dtype_name, pack_meta, unpack_meta
+from rollwise.sync.payload import dtype_name, pack_meta, to_dtype, unpack_meta
 from rollwise.sync.receiver import Receiver
 from rollwise.sync.transport import GrowingBuffer
 
@@ -38,11 +43,34 @@ STARTUP_S = 300.0  # the least a new worker gets to start (import torch, build i
 
 
 class RolloutWorker:
-    """One engine in a Ray actor (the engine_proc child's engine, built the same way)."""
+    """One engine in a Ray actor: a built-in one (built as the engine_proc child builds its
+    own) or vLLM."""
 
     def __init__(self, init: dict):
-        self.engine = _build_engine_in_child(init)
+        if init.get("backend") == "vllm":
+            self.engine = self._build_vllm(init)
+        else:
+            self.engine = _build_engine_in_child(init)
         self.receiver = Receiver(self.engine)
+
+    def _build_vllm(self, init: dict):
+        """vLLM on the model saved from its config with zero weights (the first full payload
+        writes them): its folder is this worker's own, removed with it."""
+        import tempfile
+
+        from rollwise.engine.vllm import VLLMEngine
+        torch.set_num_threads(init["threads"])
+        with torch.device("meta"):
+            model = init["cls"](init["config"])
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                t.zero_()
+        dtype = init["dtype"] or dtype_name(model.dtype)
+        self._folder = tempfile.TemporaryDirectory(prefix="rollwise-vllm-")
+        model.to(to_dtype(dtype)).save_pretrained(self._folder.name)
+        return VLLMEngine(self._folder.name, version=-1, dtype=dtype, **init["engine_kwargs"])
 
     def pid(self) -> int:
         return os.getpid()
@@ -78,15 +106,21 @@ class WorkerPool:
     Ray rollout workers; see the module docstring."""
 
     def __init__(self, model, n_workers: int, *, timeout_s: float = 600.0, dtype=None,
-                 threads: int = 1, **engine_kwargs):
+                 threads: int = 1, backend: str = "builtin", **engine_kwargs):
         if n_workers < 1:
             raise ValueError(f"loop.rollout_workers = {n_workers}: need at least 1")
         self.timeout = timeout_s
-        self.init = {"cls": type(model), "config": model.config,
+        self.init = {"cls": type(model), "config": model.config, "backend": backend,
                      "buffers": {n: _wire(b) for n, b in model.named_buffers()},
                      "dtype": None if dtype is None else dtype_name(dtype),
                      "threads": threads, "engine_kwargs": engine_kwargs}
-        self.actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
+        options: dict = {"num_cpus": 1}
+        if backend == "vllm":
+            env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+            options["runtime_env"] = {"env_vars": env}
+            if ray.cluster_resources().get("GPU", 0) >= n_workers:
+                options["num_gpus"] = 1
+        self.actor_cls = ray.remote(**options)(RolloutWorker)
         self.workers: dict[int, object] = {}
         self.next_key = 0
         self.seqs: dict[int, _Seq] = {}
@@ -100,18 +134,23 @@ class WorkerPool:
         self.max_chain = MAX_CHAIN
         self.counts = {"worker_deaths": 0, "requeued": 0, "joined": 0, "left": 0}
         self.buffer = GrowingBuffer()
-        for _ in range(n_workers):
-            self.join()
+        for key, actor in [self._spawn() for _ in range(n_workers)]:  # they start together
+            self._admit(key, actor)
         self._broadcast_full({k: v.detach() for k, v in model.state_dict().items()}, 0)
 
     # ---- membership ------------------------------------------------------------------------
     def join(self) -> int:
         """Start one more worker, brought to the current weights; returns its key."""
+        return self._admit(*self._spawn())
+
+    def _spawn(self) -> tuple[int, object]:
         key, self.next_key = self.next_key, self.next_key + 1
         init = dict(self.init)  # each worker its own seed stream: no two draw the same samples
         init["engine_kwargs"] = {**init["engine_kwargs"],
                                  "seed": init["engine_kwargs"].get("seed", 0) + 1_000_003 * key}
-        actor = self.actor_cls.remote(init)
+        return key, self.actor_cls.remote(init)
+
+    def _admit(self, key: int, actor) -> int:
         self._tokens[key] = 0
         # starting a process that imports torch takes longer than a call: its own allowance
         self._get(actor.pid.remote(), key, "start", max(self.timeout, STARTUP_S))
@@ -483,11 +522,17 @@ def shutdown() -> None:
 
 def worker_pool(cfg, model) -> WorkerPool:
     """The pool loop.backend=ray asks for: Ray started here (or joined at loop.ray_address)."""
-    from rollwise.engine.backends import engine_dtype, kv_budget_tokens, prefix_cache_tokens
+    from rollwise.engine.backends import (engine_dtype, kv_budget_tokens, prefix_cache_tokens,
+                                          vllm_kwargs)
     start(cfg)
     dtype = None if cfg.sync.engine_dtype == "same" else engine_dtype(cfg, model)
-    return WorkerPool(model, cfg.loop.rollout_workers, timeout_s=cfg.loop.wait_timeout_s,
-                      dtype=dtype, threads=max(1, cfg.run.threads),
+    common = dict(timeout_s=cfg.loop.wait_timeout_s, dtype=dtype,
+                  threads=max(1, cfg.run.threads))
+    if cfg.engine.backend == "vllm":
+        kwargs = vllm_kwargs(cfg, model, colocated=False)
+        common["dtype"] = to_dtype(kwargs.pop("dtype"))
+        return WorkerPool(model, cfg.loop.rollout_workers, backend="vllm", **common, **kwargs)
+    return WorkerPool(model, cfg.loop.rollout_workers, **common,
                       max_batch=cfg.engine.max_batch, seed=cfg.run.seed,
                       segment=cfg.engine.segment, kv_budget_tokens=kv_budget_tokens(cfg, model),
                       prefix_cache_tokens=prefix_cache_tokens(cfg))
