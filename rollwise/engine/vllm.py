@@ -245,7 +245,8 @@ class VLLMEngine:
         return out
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        if not self.sleeping:  # a sleeping engine emptied its cache when it went to sleep
+            self.llm.reset_prefix_cache()
 
     # ---- sharing a GPU with the trainer ------------------------------------------------------
     def sleep(self) -> None:
