@@ -142,21 +142,7 @@ def test_an_entry_loaded_and_extended_is_replaced_and_lru_eviction_frees_its_kv(
     assert set(engine.runner.prefixes) == set(entries) and engine.scheduler.prefix.size <= 64
 
 
-class Chatter:
-    """Always answers 'ok' (until the episode's turn limit)."""
-
-    def __init__(self, cfg, problem):
-        pass
-
-    def reset(self, problem):
-        return None
-
-    def step(self, action):
-        return "ok", 0.0, False, {}
-
-
 def play(model, cache: int):
-    from rollwise import registry
     from rollwise.agents.episode import EpisodeGenerator
     from rollwise.config import load_config
     from rollwise.models import char_tokenizer
@@ -164,9 +150,9 @@ def play(model, cache: int):
     from rollwise.stages.generate.rollout import Rollout
     from rollwise.stages.ledger import Ledger
     from rollwise.tasks import Problem
-    registry.register("env", "chatter", Chatter)
     tok = char_tokenizer()
-    cfg = load_config(None, ["generate.strategy=episode", "generate.env=chatter",
+    cfg = load_config(None, ["generate.strategy=episode",
+                             "generate.env=rollwise.bench.agent_kv:Echo",  # always answers
                              "generate.group_size=3", "generate.max_new_tokens=6",
                              "generate.max_turns=4"])
     text = "what is twelve times seven ="
@@ -189,7 +175,7 @@ def test_an_agents_next_turn_prefills_only_the_environments_tokens(wild):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     seen = plain_counts["agent/reprefill/tokens"]
     assert seen > 0
-    assert counts["agent/turn/model"] >= 2 * 6  # episodes went on past their first turn
+    assert counts["agent/turn/model"] > 6  # some of the 6 episodes went past their first turn
     assert counts["agent/reprefill/tokens"] == 0 and counts["agent/prefill/reused"] == seen
     assert plain_counts["agent/prefill/reused"] == 0
     # every request's reuse is reported (first turns too: a waiting sample's prompt is its

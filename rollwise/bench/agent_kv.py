@@ -11,7 +11,7 @@ times; the episodes must be the same token for token.
   agents` makes it): short episodes, most of them one or two turns.
 - long: the default-size model, untrained, with 1024 positions, after a 64-token prompt; its
   turns end at one of 4 stop tokens (about 13 tokens, at most 48), and an environment answers
-  each with 16 tokens, for 8 turns: an episode grows to about 300 tokens (agents with many
+  each with 15 tokens, for 8 turns: an episode grows to about 300 tokens (agents with many
   turns and tool outputs).
 
 Top-level keys: kv_round_speedup (median seconds per round without the cache over with it) and
@@ -51,7 +51,8 @@ def play_round(cfg, model, tokenizer, problems, stop_ids, cache: int) -> dict:
 
 
 class Echo:
-    """The long scenario's environment: 16 tokens back after every turn, never done."""
+    """The long scenario's environment: 15 tokens back after every turn (';user: 0123456;' on
+    the character model), never done."""
 
     def __init__(self, cfg, problem):
         pass
@@ -60,7 +61,7 @@ class Echo:
         return None
 
     def step(self, action):
-        return "0123456789abcdef"[:16 - 9], 0.0, False, {}  # + ';user: ' and ';': 16 tokens
+        return "0123456", 0.0, False, {}
 
 
 def calc_setup(base: list[str], problems: int, log):

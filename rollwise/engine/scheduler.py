@@ -221,14 +221,14 @@ class Scheduler:
             seq = self.waiting[0]
             key = tuple(seq.prefill_ids)
             leader = leaders.get(key)
+            need = max(rows_need, self.free_slots[0] + 1), max(len_need, seq.reservation)
+            shape = self._fit(*need)
+            if shape is None:
+                break
             hit = self.prefix.lookup(seq.prefill_ids) if leader is None and self.prefix \
                 else None
             fed = len(key) - (hit[1] if hit else 0)
             if leader is None and prefill and fed > budget:
-                break
-            need = max(rows_need, self.free_slots[0] + 1), max(len_need, seq.reservation)
-            shape = self._fit(*need)
-            if shape is None:
                 break
             self.waiting.popleft()
             self._place(seq, shape)
