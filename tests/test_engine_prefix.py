@@ -129,6 +129,20 @@ def test_the_index_finds_the_longest_kept_prefix_and_keeps_to_its_budget():
         PrefixIndex(budget=8)
 
 
+@pytest.mark.parametrize("earlier", [0, 7, 30])
+def test_ties_go_to_the_oldest_entry_whatever_came_before(earlier):
+    """Entries with the same ids hold K/V from different passes (equal to the last bits
+    only), so which one a lookup reuses must not depend on the entry ids an earlier round used
+    up: an evaluation between two training rounds once changed the second round's numbers."""
+    index = PrefixIndex(budget=1000)
+    for _ in range(earlier):  # an earlier round's entries, forgotten at the reset
+        index.insert(list(range(20)))
+    index.clear()
+    first, _ = index.insert(list(range(32)))
+    index.insert(list(range(32)))  # a sibling's equal prefix, entered later
+    assert index.lookup(list(range(40)))[0] == first
+
+
 def test_an_entry_loaded_and_extended_is_replaced_and_lru_eviction_frees_its_kv(wild):
     engine = make(wild, cache=64)
     (turn,), _ = run(engine, [Request(PROMPT, GREEDY)])

@@ -47,7 +47,8 @@ class PrefixIndex:
                 break
             deepest = found
         best, best_n = None, 0
-        for e in deepest:
+        for e in sorted(deepest):  # ties go to the oldest entry, whatever the ids' offset: a
+            # round picks the same K/V whatever earlier rounds (an evaluation) entered
             n = _common(self.entries[e], ids, len(ids) - 1)
             if n > best_n:
                 best, best_n = e, n
