@@ -177,6 +177,11 @@ class TraceConfig(Section):
     allocation: Literal["trace", "root"] = "trace"
     """trace: by predicted P(mixed) over the prompts and turn prefixes; root: every
     continuation from the prompts (the i.i.d. baseline at the same budget)."""
+    budget: Literal["tokens", "episodes"] = "tokens"
+    """What allocation=trace spends, per problem, beyond its roots: tokens (the sampled tokens
+    root-only allocation would spend there, the group size less the roots times the mean of
+    the problem's roots; each continuation costs what its root sampled after the cut: TRACE's
+    equal sampling cost) or episodes (the group size less the roots, however short)."""
     predictor_lr: float = Field(0.5, gt=0)
 
 

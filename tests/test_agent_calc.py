@@ -34,8 +34,12 @@ def test_the_task_draws_its_own_tiers_and_keeps_eval_out_of_train():
     assert {p.tier for p in task.train} == {"small", "mul2", "mul3"}
     assert not {p.prompt for p in task.eval} & {p.prompt for p in task.train}
     for p in task.train + task.eval:
-        a, op, b = p.data["a"], p.data["op"], p.data["b"]
+        a, op, b = p.data["terms"]
         assert p.prompt == f"{a}{op}{b}=" and int(p.answer) == (a + b if op == "+" else a * b)
+    chains = load_task(load_config(None, CALC + ["task.tiers={chain: 1}"]).task)
+    for p in chains.train:
+        a, _, b, _, c = p.data["terms"]
+        assert p.prompt == f"{a}*{b}*{c}=" and int(p.answer) == a * b * c
     only = load_task(load_config(None, CALC + ["task.tiers={mul3: 1}"]).task)
     assert {p.tier for p in only.train} == {"mul3"}
     with pytest.raises(ValueError, match="unknown calc tier"):
@@ -45,7 +49,8 @@ def test_the_task_draws_its_own_tiers_and_keeps_eval_out_of_train():
 def test_a_transcript_is_the_episode_the_generator_builds_from_the_same_turns():
     """The SFT example of every tier equals, id for id and mask for mask, the episode the
     episode generator makes when the engine writes the teacher's turns."""
-    cfg = load_config(None, CALC)
+    cfg = load_config(None, CALC + ["task.tiers={small: 1, mul2: 1, mul3: 1, chain: 1}",
+                                     "model.max_positions=112"])
     task, tok = load_task(cfg.task), char_tokenizer()
     examples = episode_examples(cfg, task, tok, noise=0.0, seed=0)
     seen = set()
@@ -60,7 +65,7 @@ def test_a_transcript_is_the_episode_the_generator_builds_from_the_same_turns():
         s = group.samples[0]
         assert ids == s.prompt_ids + s.response_ids and plen == len(s.prompt_ids)
         assert mask == s.loss_mask and s.meta["env_reward"] == 1.0
-    assert seen == {"small", "mul2", "mul3"}
+    assert seen == {"small", "mul2", "mul3", "chain"}
     product = next(ex for p, ex in zip(task.train, examples) if p.tier == "mul3")
     _, _, labels = collate([product], tok.pad_token_id)
     trained = tok.decode([t for t in labels[0].tolist() if t != -100])
@@ -84,6 +89,27 @@ def test_the_noisy_teacher_answers_products_without_the_calculator():
     assert not any(called["small"])
     for tier in ("mul2", "mul3"):
         assert 0.4 < sum(called[tier]) / len(called[tier]) < 0.6
+
+
+def test_the_noisy_teacher_stops_a_chain_after_its_first_call():
+    """A chain's decision sits after the first call: the teacher always makes it, then makes
+    the second only when clean, and otherwise answers a near miss of the product."""
+    cfg = load_config(None, CALC + ["task.tiers={chain: 1}", "task.train_size=1000"])
+    task, rng = load_task(cfg.task), random.Random(0)
+    for p in task.train:
+        a, _, b, _, c = p.data["terms"]
+        first = f"calculator({a}*{b})"
+        assert task.worked_actions(p, rng, noisy=False) == [
+            first, f"calculator({a * b}*{c})", p.answer]
+        noisy = task.worked_actions(p, rng, noisy=True)
+        assert noisy[0] == first and len(noisy) == 2 and noisy[1] != p.answer
+        assert len(noisy[1]) == len(p.answer)  # a near miss: one digit moved
+    tok = char_tokenizer()
+    examples = episode_examples(cfg, task, tok, noise={"chain": 0.6}, seed=0)
+    second = [tok.decode(ids[plen:], skip_special_tokens=True).count("calculator(") == 2
+              for ids, plen, _ in examples]
+    assert all(tok.decode(ids[plen:]).startswith("calculator(") for ids, plen, _ in examples)
+    assert 0.35 < sum(second) / len(second) < 0.45
 
 
 def _episode(tier, reward, calls, split=False, error=False):

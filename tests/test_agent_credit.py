@@ -61,6 +61,18 @@ def test_trace_allocation_on_a_constructed_predictor():
     assert allocate([0.5, 0.5], 3, max_per_anchor=2) == [2, 0]
 
 
+def test_trace_allocation_in_tokens_weighs_each_gain_by_its_cost():
+    # per token, anchor 0 (1 token a continuation): 0.25, 0.25, 0.125, 0.0625; anchor 1 (2
+    # tokens): 0.125 for its first pair, which wins over anchor 0's fifth once tied gains go
+    # to the first anchor
+    assert allocate([0.5, 0.5], 8, costs=[1, 2]) == [4, 2]
+    # equal costs allocate as continuations do, scaled
+    assert allocate([0.5, 0.9, 0.0, 1.0], 18, costs=[3] * 4) == [4, 2, 0, 0]
+    # nothing that does not fit: a 5-token pair in a 9-token budget, then one more
+    assert allocate([0.5], 9, costs=[5]) == [0]
+    assert allocate([0.5], 15, costs=[5]) == [3]
+
+
 def test_trace_advantages_among_siblings():
     adv = sibling_advantages([1.0, 0.0, 1.0, 1.0, 0.0], ["a", "a", "b", "b", "c"])
     assert adv == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0])

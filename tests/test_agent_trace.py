@@ -47,7 +47,7 @@ def run(extra=(), script=calls_then_copies, predictor=None, problems=None):
 
 def test_a_continuation_of_a_deterministic_policy_is_its_root_episode():
     # the predictor favours depth-1 cuts (p = 0.5) over the prompts (p ~ 1)
-    rollout, tok, _ = run(predictor=[10.0, 0.0, 0.0, 0.0, 0.0])
+    rollout, tok, _ = run(["generate.trace.budget=episodes"], predictor=[10.0, 0.0, 0.0, 0.0, 0.0])
     # the budget is the batch's: 2 roots per problem, and 2 x (6 - 2) continuations in all
     assert sum(len(g.samples) for g in rollout.groups) == 12
     for g in rollout.groups:
@@ -67,6 +67,28 @@ def test_a_continuation_of_a_deterministic_policy_is_its_root_episode():
     assert d["trace/continue/depth1"] == 8 and d["trace/continue/depth0"] == 0
     cuts = {s.meta["trace_anchor"] for g in rollout.groups for s in g.samples[2:]}
     assert d["trace/siblings/sets"] == 2 + len(cuts) and d["trace/siblings/mixed"] == 0
+
+
+def test_the_token_budget_is_what_root_only_allocation_would_sample():
+    """budget=tokens: each problem's group size less its roots, at its roots' mean sampled
+    tokens; a continuation costs its root's sampled tokens after the cut. A deterministic
+    policy samples exactly that, so the continuations spend the budget but for less than one
+    continuation's cost."""
+    rollout, tok, _ = run(predictor=[10.0, 0.0, 0.0, 0.0, 0.0])
+    budget, spent, cheapest = 0, 0, None
+    for g in rollout.groups:
+        root = g.samples[0]
+        sampled = sum(root.loss_mask)  # calculator(..)<eos> and the copied result<eos>
+        assert sampled == len("calculator(" + g.problem.prompt[:-1] + ")") + 1 \
+            + len(g.problem.answer) + 1
+        budget += (6 - 2) * sampled
+        tail = len(g.problem.answer) + 1  # after the cut: the copy of the result
+        for s in g.samples[2:]:
+            assert s.meta["trace_depth"] == 1 and sum(s.loss_mask) == tail
+            spent += tail
+        cheapest = min(cheapest or tail, tail)
+    assert budget - cheapest < spent <= budget
+    assert sum(len(g.samples) for g in rollout.groups) - 4 > 8  # more than budget=episodes
 
 
 def test_root_allocation_spends_the_budget_on_the_prompts():

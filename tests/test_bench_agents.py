@@ -28,6 +28,10 @@ def test_bench_agents_reports_its_keys(tmp_path, monkeypatch, capsys):
         t = trace[arm]
         assert t["sampled_tokens"] > 0 and t["mixed_sets"] <= t["sibling_sets"]
         assert t["mixed_per_1k_tokens"] == 1000 * t["mixed_sets"] / t["sampled_tokens"]
+        assert len(t["curve"]) == 3  # evaluated at the start and after each step
+        for target, step in t["steps_to"].items():
+            assert step == next((i for i, p in enumerate(t["curve"]) if p >= float(target)),
+                                None)
     # a ratio of the two (nan when neither found a mixed set: an untrained model may not)
     assert out["trace_mixed_ratio"] == agents.ratio(trace["trace"]["mixed_per_1k_tokens"],
                                                     trace["root"]["mixed_per_1k_tokens"]) \

@@ -20,29 +20,31 @@ def mixed_probability(p: float, n: int) -> float:
     return 0.0 if n < 2 else 1.0 - p ** n - (1.0 - p) ** n
 
 
-def allocate(success: list[float], budget: int, min_siblings: int = 2,
-             max_per_anchor: int | None = None) -> list[int]:
-    """Continuations per anchor, `budget` in all, given each anchor's predicted success. Greedy
-    on the expected number of mixed sibling sets: an anchor's first share is `min_siblings`
-    continuations (one alone is never mixed), ranked by p(1-p); each further one goes where it
-    raises P(mixed) most. Anchors predicted certain (p = 0 or 1) get nothing while any other
-    gains."""
+def allocate(success: list[float], budget: float, min_siblings: int = 2,
+             max_per_anchor: int | None = None, costs: list[float] | None = None) -> list[int]:
+    """Continuations per anchor, given each anchor's predicted success, within `budget`:
+    continuations, or with `costs` (each anchor's expected sampled tokens per continuation)
+    tokens. Greedy on the expected number of mixed sibling sets per unit of budget: an
+    anchor's first share is `min_siblings` continuations (one alone is never mixed), ranked by
+    p(1-p) per cost; each further one goes where it raises P(mixed) most per cost. Anchors
+    predicted certain (p = 0 or 1) get nothing while any other gains."""
+    costs = costs or [1.0] * len(success)
     counts = [0] * len(success)
     left = budget
-    while left > 0:
-        best, gain, cost = None, 0.0, 0
+    while True:
+        best, gain, take = None, 0.0, 0
         for i, p in enumerate(success):
             n = counts[i]
             step = min_siblings if n == 0 else 1
-            if step > left or (max_per_anchor and n + step > max_per_anchor):
+            if step * costs[i] > left or (max_per_anchor and n + step > max_per_anchor):
                 continue
-            g = (mixed_probability(p, n + step) - mixed_probability(p, n)) / step
+            g = (mixed_probability(p, n + step) - mixed_probability(p, n)) / (step * costs[i])
             if best is None or g > gain:
-                best, gain, cost = i, g, step
+                best, gain, take = i, g, step
         if best is None or gain <= 0:
             break
-        counts[best] += cost
-        left -= cost
+        counts[best] += take
+        left -= take * costs[best]
     return counts
 
 

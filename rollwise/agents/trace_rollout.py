@@ -8,8 +8,12 @@ terminal rewards.
    the environment's answer to it. A shared predictor (rollwise.agents.trace.PrefixPredictor)
    estimates each anchor's success from its history: its depth, the tool calls and the error
    observations so far.
-3. The rest of the budget goes out greedily by the gain in P(mixed sibling set)
-   (rollwise.agents.trace.allocate: p(1-p) first, two continuations at least per anchor).
+3. The rest of the budget goes out greedily by the gain in P(mixed sibling set) per sampled
+   token (rollwise.agents.trace.allocate: p(1-p) per cost first, two continuations at least
+   per anchor). The budget (generate.trace.budget=tokens) is the sampled tokens root-only
+   allocation would spend on the problems' further episodes, at the mean of their roots; a
+   continuation costs what its root sampled after the cut. budget=episodes counts
+   continuations instead, however short.
    A continuation of a cut starts from the root's tokens up to the cut (held in its prompt:
    only its own turns are trained) and an environment brought to that point by replaying the
    root's actions, so environments must be deterministic in the actions they are given.
@@ -52,6 +56,7 @@ class TraceGenerator(EpisodeGenerator):
                              f"generate.group_size = {self.group_size} to allocate: set fewer "
                              "roots than the group size")
         self.roots, self.allocate_all = t.roots, t.allocation == "trace"
+        self.token_budget = t.budget == "tokens"
         self.predictor = PrefixPredictor(N_FEATURES, lr=t.predictor_lr, seed=cfg.run.seed)
 
     def generate(self, rollout, problems, step: int) -> None:
@@ -72,10 +77,15 @@ class TraceGenerator(EpisodeGenerator):
     def _anchors(self, roots: list[Episode]) -> list[dict]:
         """The prompt of each problem, then every cut of every unsplit root episode."""
         out, seen = [], set()
+        sampled: dict[str, list[int]] = {}  # problem id -> its roots' sampled tokens
+        for e in roots:
+            sampled.setdefault(e.group.problem.id, []).append(
+                sum(sum(s.loss_mask) for s in (*e.pieces, e.sample)))
         for e in roots:
             if e.group.problem.id not in seen:
                 seen.add(e.group.problem.id)
-                out.append(dict(key=f"{e.group.problem.id}@0", depth=0, root=e,
+                mean = sum(sampled[e.group.problem.id]) / len(sampled[e.group.problem.id])
+                out.append(dict(key=f"{e.group.problem.id}@0", depth=0, root=e, cost=mean,
                                 x=features(0, self.max_turns, {}, 0)))
             e.sample.meta["trace_anchor"] = f"{e.group.problem.id}@0"
             if e.pieces or "env_error" in e.sample.meta:
@@ -85,22 +95,26 @@ class TraceGenerator(EpisodeGenerator):
                 errors += str(e.messages[n_messages - 1]["content"]).startswith("error")
                 out.append(dict(key=f"{e.sample.uid}@{depth}", depth=depth, root=e,
                                 tokens=tokens, messages=n_messages,
+                                cost=sum(e.sample.loss_mask[tokens:]),
                                 x=features(depth, self.max_turns, info, errors)))
         self.ledger.decide("trace", "anchor", "count", len(out))
         return out
 
     def _allocation(self, anchors: list[dict]) -> list[int]:
         """Continuations per anchor: each problem's group size less its roots, shared over
-        the batch by TRACE's greedy allocation, or (allocation=root) each problem's own from
-        its prompt, as i.i.d. groups would."""
+        the batch by TRACE's greedy allocation (in sampled tokens or in episodes), or
+        (allocation=root) each problem's own from its prompt, as i.i.d. groups would."""
         if not anchors:
             return []
         left = [(a["root"].group.problem.group_size or self.group_size) - self.roots
                 if a["depth"] == 0 else 0 for a in anchors]  # one prompt anchor per problem
         if not self.allocate_all:
             return left
-        p = self.predictor.predict(torch.tensor([a["x"] for a in anchors]))
-        return allocate(p.tolist(), sum(left), min_siblings=2)
+        p = self.predictor.predict(torch.tensor([a["x"] for a in anchors])).tolist()
+        if not self.token_budget:
+            return allocate(p, sum(left), min_siblings=2)
+        costs = [max(1.0, a["cost"]) for a in anchors]  # a continuation samples 1 token at least
+        return allocate(p, sum(n * c for n, c in zip(left, costs)), min_siblings=2, costs=costs)
 
     def _branch(self, anchor: dict, step: int) -> Episode | None:
         """A new episode from the anchor: a fresh one at the prompt; at a cut, the root's

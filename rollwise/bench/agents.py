@@ -7,9 +7,12 @@
 - cod: configs/packs.yaml (Connect-the-Dots). After RL, the slope of solve success on the
   task's position in an eval pack (8 tasks), with the pack's own hints and with hints shuffled
   across packs.
-- trace: configs/calc.yaml with generate.strategy=trace, TRACE's allocation against the same
-  budget spent on the prompts only (generate.trace.allocation=root, i.i.d. groups). Mixed-reward
-  sibling sets per sampled token over the run, and steps to a held-out pass@1 target.
+- trace: configs/chain.yaml (two-hop products: the decision to learn sits after the first
+  call, the multi-hop shape TRACE is for; --trace-config picks another) with
+  generate.strategy=trace: TRACE's allocation at the sampled tokens root-only allocation would
+  spend (generate.trace.budget=tokens), against that budget spent on the prompts only
+  (generate.trace.allocation=root, i.i.d. groups). Mixed-reward sibling sets per sampled token
+  over the run; held-out pass@1 after every step, and the steps to each of TARGETS.
 
 Top-level keys (medians over seeds): tool_success_delta, cod_position_slope,
 cod_shuffled_slope, trace_mixed_ratio (TRACE's mixed sets per sampled token over root-only's).
@@ -27,7 +30,9 @@ from pathlib import Path
 DEFAULTS = ["run.log=quiet", "run.report=false", "run.tensorboard=false"]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CALC, PACKS = str(CONFIGS / "calc.yaml"), str(CONFIGS / "packs.yaml")
+CHAIN = str(CONFIGS / "chain.yaml")
 TOOL_STEPS, COD_STEPS, TRACE_STEPS = 30, 40, 20
+TARGETS = (0.7, 0.75, 0.8)  # held-out pass@1 levels the TRACE arms are timed to
 
 
 def warm_start(config: str, base: list[str], log) -> str:
@@ -78,19 +83,26 @@ def cod_arm(base: list[str], init: str, seed: int) -> dict:
             "by_position": [last[f"eval/pass1/pos{i}"] for i in range(8)]}
 
 
-def trace_arm(base: list[str], init: str, seed: int, allocation: str, target: float) -> dict:
-    rows = run(CALC, base + [
+def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: str) -> dict:
+    rows = run(config, base + [
         f"run.init={init}", f"run.seed={seed}", f"run.name=trace-{allocation}-seed{seed}",
         "generate.strategy=trace", f"generate.trace.allocation={allocation}",
-        "train.advantage=trace", f"train.steps={TRACE_STEPS}", "run.eval_every=5"])
+        "train.advantage=trace", f"train.steps={TRACE_STEPS}", "run.eval_every=1"])
     steps = [r for r in rows if "tokens/generated" in r]
     tokens = sum(r["tokens/generated"] for r in steps)
     mixed = sum(r.get("decisions/trace/siblings/mixed", 0) for r in steps)
     sets = sum(r.get("decisions/trace/siblings/sets", 0) for r in steps)
-    reached = next((r["step"] for r in evals(rows) if r["eval/pass1"] >= target), None)
+    curve = [(r["step"], r["eval/pass1"]) for r in evals(rows)]
     return {"sampled_tokens": tokens, "sibling_sets": sets, "mixed_sets": mixed,
-            "mixed_per_1k_tokens": 1000 * mixed / max(tokens, 1), "steps_to_target": reached,
-            "final": evals(rows)[-1]["eval/pass1"]}
+            "mixed_per_1k_tokens": 1000 * mixed / max(tokens, 1),
+            "steps_to": {str(t): steps_to(curve, t) for t in TARGETS},
+            "mean_pass1": statistics.mean(p for _, p in curve[1:]),
+            "final": curve[-1][1], "curve": [p for _, p in curve]}
+
+
+def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first step whose held-out pass@1 reaches the target (None: never)."""
+    return next((step for step, p in curve if p >= target), None)
 
 
 def ratio(a: float, b: float) -> float:
@@ -107,20 +119,20 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise bench agents", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--target", type=float, default=0.7, help="TRACE's held-out pass@1 target")
+    p.add_argument("--trace-config", default=CHAIN, help="the TRACE arms' task")
     p.add_argument("--root", default="runs/bench-agents")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     base = [*DEFAULTS, *args.overrides, f"run.root={args.root}"]
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    calc, packs = warm_start(CALC, base, log), \
-        warm_start(PACKS, base, log)
+    calc, packs = warm_start(CALC, base, log), warm_start(PACKS, base, log)
+    chain = warm_start(args.trace_config, base, log)
     tool, cod, trace = [], [], []
     for seed in args.seeds:
         tool.append(tool_arm(base, calc, seed))
         cod.append(cod_arm(base, packs, seed))
-        arms = {a: trace_arm(base, calc, seed, a, args.target) for a in ("trace", "root")}
+        arms = {a: trace_arm(args.trace_config, base, chain, seed, a) for a in ("trace", "root")}
         arms["ratio"] = ratio(arms["trace"]["mixed_per_1k_tokens"],
                               arms["root"]["mixed_per_1k_tokens"])
         trace.append(arms)
@@ -132,11 +144,13 @@ def main(argv: list[str]) -> int:
         "cod_position_slope": median([c["slope"] for c in cod]),
         "cod_shuffled_slope": median([c["shuffled_slope"] for c in cod]),
         "trace_mixed_ratio": median([t["ratio"] for t in trace]),
-        "trace_steps_to_target": {a: median([t[a]["steps_to_target"] for t in trace])
-                                  for a in ("trace", "root")},
-        "trace_reached": {a: sum(t[a]["steps_to_target"] is not None for t in trace)
-                          for a in ("trace", "root")},
-        "target": args.target, "seeds": args.seeds,
+        "trace_steps_to": {a: {k: median([t[a]["steps_to"][k] for t in trace]) for k in
+                               trace[0][a]["steps_to"]} for a in ("trace", "root")},
+        "trace_reached": {a: {k: sum(t[a]["steps_to"][k] is not None for t in trace) for k in
+                              trace[0][a]["steps_to"]} for a in ("trace", "root")},
+        "trace_mean_pass1": {a: median([t[a]["mean_pass1"] for t in trace])
+                             for a in ("trace", "root")},
+        "trace_config": args.trace_config, "seeds": args.seeds,
         "runs": {"tool": tool, "cod": cod, "trace": trace},
     }
     if args.json:
@@ -150,18 +164,23 @@ def markdown(out: dict) -> str:
     runs = out["runs"]
     lines = ["| seed | tool pass@1 start → end | mul3 end (without a call) "
              "| CoD slope start → end "
-             "| shuffled | TRACE mixed / 1k tok | root | TRACE steps | root steps |",
+             "| shuffled | TRACE mixed / 1k tok | root | TRACE steps to "
+             + " / ".join(map(str, TARGETS)) + " | root |",
              "|---|---|---|---|---|---|---|---|---|"]
     for seed, t, c, tr in zip(out["seeds"], runs["tool"], runs["cod"], runs["trace"]):
         lines.append(
             f"| {seed} | {t['start']:.3f} → {t['end']:.3f} | {t['mul3_end']:.3f} "
             f"({t['mul3_without_tool_end']:.3f}) | {c['slope_start']:.3f} → {c['slope']:.3f} | "
             f"{c['shuffled_slope']:.3f} | {tr['trace']['mixed_per_1k_tokens']:.2f} | "
-            f"{tr['root']['mixed_per_1k_tokens']:.2f} | {tr['trace']['steps_to_target']} | "
-            f"{tr['root']['steps_to_target']} |")
+            f"{tr['root']['mixed_per_1k_tokens']:.2f} | {_steps(tr['trace'])} | "
+            f"{_steps(tr['root'])} |")
     keys = ("tool_success_delta", "cod_position_slope", "cod_shuffled_slope",
             "trace_mixed_ratio")
     return "\n".join(lines + [""] + [f"{k}: {out[k]:.3f}" for k in keys])
+
+
+def _steps(arm: dict) -> str:
+    return " / ".join("–" if n is None else str(n) for n in arm["steps_to"].values())
 
 
 if __name__ == "__main__":

@@ -2,16 +2,20 @@
 configs/calc.yaml: generate.strategy=episode with the `tools` environment and a calculator).
 
 Tiers: small (sums of numbers below 20: 400 facts the tiny model learns by heart), mul2 (a
-2-digit number times a 1-digit one) and mul3 (3-digit by 3-digit: a million products, which
-the model can only get right through the calculator). Answers are numbers written most
+2-digit number times a 1-digit one), mul3 (3-digit by 3-digit: a million products, which
+the model can only get right through the calculator) and chain (a*b*c: two 2-digit numbers
+and a 1-digit one, two hops of one call each, configs/chain.yaml). Answers are numbers written most
 significant digit first, as the calculator returns them; the tools environment scores the
 last number of the model's final turn.
 
 Worked solutions are the teacher's actions (`worked_actions`), replayed through the
 environment for the warm start (rollwise.agents.transcripts): a direct answer for a small sum,
-`calculator(a*b)` and then the result for the products. The noisy teacher (sft.noise of its
+`calculator(a*b)` and then the result for the products, `calculator(a*b)`, then
+`calculator(<its result>*c)` and the result for a chain. The noisy teacher (sft.noise of its
 solutions) answers a product directly with a near miss and no call, so the warm start calls
-the calculator only part of the time and RL has the tool use to learn.
+the calculator only part of the time and RL has the tool use to learn. On a chain it makes the
+first call and then answers with a near miss: its decision sits at the turn prefix after the
+first call, not at the prompt (the multi-hop shape TRACE allocates to, METHODS.md §3.10).
 """
 
 from __future__ import annotations
@@ -26,12 +30,23 @@ from rollwise.tasks.arith import noisy_answer
 def _small(r: random.Random): return r.randint(0, 19), "+", r.randint(0, 19)
 def _mul2(r: random.Random): return r.randint(10, 99), "*", r.randint(2, 9)
 def _mul3(r: random.Random): return r.randint(100, 999), "*", r.randint(100, 999)
+def _chain(r: random.Random): return r.randint(10, 99), "*", r.randint(10, 99), "*", r.randint(2, 9)
 
 
-TIERS = {"small": _small, "mul2": _mul2, "mul3": _mul3}
-TOOL_TIERS = {"mul2", "mul3"}  # the teacher calls the calculator for these
+TIERS = {"small": _small, "mul2": _mul2, "mul3": _mul3, "chain": _chain}
+TOOL_TIERS = {"mul2", "mul3", "chain"}  # the teacher calls the calculator for these
 DEFAULT_TIERS = {"small": 0.3, "mul2": 0.3, "mul3": 0.4}
 _OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
+
+
+def hops(terms: list) -> list[tuple[int, str, int]]:
+    """The binary operations of terms (a, op, b, op, c, ...), left to right: each one's left
+    operand is the result so far."""
+    out, value = [], terms[0]
+    for op, b in zip(terms[1::2], terms[2::2]):
+        out.append((value, op, b))
+        value = _OPS[op](value, b)
+    return out
 
 
 class CalcTask:
@@ -60,21 +75,22 @@ class CalcTask:
         """n problems, tiers drawn by weight (rollwise.tasks.draw_unique)."""
         def draw(i: int) -> Problem:
             tier = rng.choices(names, weights=weights)[0]
-            a, op, b = TIERS[tier](rng)
-            return Problem(id=f"{split}-{tier}-{i}", prompt=f"{a}{op}{b}=",
-                           answer=str(_OPS[op](a, b)), tier=tier,
-                           data={"a": a, "op": op, "b": b})
+            terms = list(TIERS[tier](rng))
+            a, op, b = hops(terms)[-1]
+            return Problem(id=f"{split}-{tier}-{i}", prompt="".join(map(str, terms)) + "=",
+                           answer=str(_OPS[op](a, b)), tier=tier, data={"terms": terms})
         return draw_unique(n, draw, exclude, split, "the calc task")
 
     def worked_actions(self, problem: Problem, rng: random.Random, noisy: bool) -> list[str]:
-        """The teacher's turns: the calculator call and its result for a product, the answer
-        for a sum; a noisy teacher answers with a near miss and no call."""
+        """The teacher's turns: a calculator call per hop and then the result for a product,
+        the answer for a sum. A noisy teacher answers a one-hop product with a near miss and no
+        call, and a chain with a near miss after its first call."""
+        calls = [f"calculator({a}{op}{b})" for a, op, b in hops(problem.data["terms"])]
+        if problem.tier not in TOOL_TIERS:
+            calls = []
         if noisy:
-            return [noisy_answer(int(problem.answer), rng)]
-        if problem.tier in TOOL_TIERS:
-            expression = problem.prompt.rstrip("=")
-            return [f"calculator({expression})", problem.answer]
-        return [problem.answer]
+            return calls[:-1] + [noisy_answer(int(problem.answer), rng)]
+        return calls + [problem.answer]
 
     def extract_answer(self, response: str) -> str | None:
         """The last number of the response (the final turn's answer)."""
