@@ -37,3 +37,12 @@ def test_bench_agents_reports_its_keys(tmp_path, monkeypatch, capsys):
                                                     trace["root"]["mixed_per_1k_tokens"]) \
         or (math.isnan(out["trace_mixed_ratio"]) and trace["root"]["mixed_sets"] == 0)
     assert "| seed |" in agents.markdown(out)
+    # --arms runs some of the arms: the others' keys are nan
+    assert agents.main(["--seeds", "0", "--json", "--arms", "trace", "--root", str(tmp_path),
+                        *small, "task.eval_size=8", "control.prompts_per_step=3",
+                        "run.eval_samples=1", "run.eval_temperature=0"]) == 0
+    only = json.loads(capsys.readouterr().out)
+    assert math.isnan(only["tool_success_delta"]) and not only["runs"]["tool"]
+    for arm in ("trace", "root"):  # the same runs, from the same seed
+        assert only["runs"]["trace"][0][arm] == out["runs"]["trace"][0][arm]
+    assert "| 0 | – |" in agents.markdown(only)

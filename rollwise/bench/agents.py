@@ -14,7 +14,7 @@
   (generate.trace.allocation=root, i.i.d. groups). Mixed-reward sibling sets per sampled token
   over the run; held-out pass@1 after every step, and the steps to each of TARGETS.
 
-Top-level keys (medians over seeds): tool_success_delta, cod_position_slope,
+--arms runs some of them (the keys of the others are nan). Top-level keys (medians over seeds): tool_success_delta, cod_position_slope,
 cod_shuffled_slope, trace_mixed_ratio (TRACE's mixed sets per sampled token over root-only's).
 """
 
@@ -33,6 +33,7 @@ CALC, PACKS = str(CONFIGS / "calc.yaml"), str(CONFIGS / "packs.yaml")
 CHAIN = str(CONFIGS / "chain.yaml")
 TOOL_STEPS, COD_STEPS, TRACE_STEPS = 30, 40, 20
 TARGETS = (0.7, 0.75, 0.8)  # held-out pass@1 levels the TRACE arms are timed to
+ARMS = ("tool", "cod", "trace")
 
 
 def warm_start(config: str, base: list[str], log) -> str:
@@ -100,6 +101,14 @@ def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: st
             "final": curve[-1][1], "curve": [p for _, p in curve]}
 
 
+def trace_arms(config: str, base: list[str], init: str, seed: int) -> dict:
+    """TRACE's allocation and root-only's from one warm start, and their mixed-set ratio."""
+    arms = {a: trace_arm(config, base, init, seed, a) for a in ("trace", "root")}
+    arms["ratio"] = ratio(arms["trace"]["mixed_per_1k_tokens"],
+                          arms["root"]["mixed_per_1k_tokens"])
+    return arms
+
+
 def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
     """The first step whose held-out pass@1 reaches the target (None: never)."""
     return next((step for step, p in curve if p >= target), None)
@@ -119,6 +128,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise bench agents", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--trace-config", default=CHAIN, help="the TRACE arms' task")
     p.add_argument("--root", default="runs/bench-agents")
     p.add_argument("--json", action="store_true")
@@ -126,28 +136,29 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     base = [*DEFAULTS, *args.overrides, f"run.root={args.root}"]
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    calc, packs = warm_start(CALC, base, log), warm_start(PACKS, base, log)
-    chain = warm_start(args.trace_config, base, log)
+    inits = {arm: warm_start(config, base, log) for arm, config in
+             (("tool", CALC), ("cod", PACKS), ("trace", args.trace_config)) if arm in args.arms}
     tool, cod, trace = [], [], []
     for seed in args.seeds:
-        tool.append(tool_arm(base, calc, seed))
-        cod.append(cod_arm(base, packs, seed))
-        arms = {a: trace_arm(args.trace_config, base, chain, seed, a) for a in ("trace", "root")}
-        arms["ratio"] = ratio(arms["trace"]["mixed_per_1k_tokens"],
-                              arms["root"]["mixed_per_1k_tokens"])
-        trace.append(arms)
-        log(f"seed {seed}: tool {tool[-1]['start']:.3f} -> {tool[-1]['end']:.3f}; cod slope "
-            f"{cod[-1]['slope']:.3f} (shuffled {cod[-1]['shuffled_slope']:.3f}); trace mixed "
-            f"ratio {arms['ratio']:.2f}")
+        if "tool" in inits:
+            tool.append(tool_arm(base, inits["tool"], seed))
+            log(f"seed {seed}: tool {tool[-1]['start']:.3f} -> {tool[-1]['end']:.3f}")
+        if "cod" in inits:
+            cod.append(cod_arm(base, inits["cod"], seed))
+            log(f"seed {seed}: cod slope {cod[-1]['slope']:.3f} (shuffled "
+                f"{cod[-1]['shuffled_slope']:.3f})")
+        if "trace" in inits:
+            trace.append(trace_arms(args.trace_config, base, inits["trace"], seed))
+            log(f"seed {seed}: trace mixed ratio {trace[-1]['ratio']:.2f}")
     out = {
         "tool_success_delta": median([t["delta"] for t in tool]),
         "cod_position_slope": median([c["slope"] for c in cod]),
         "cod_shuffled_slope": median([c["shuffled_slope"] for c in cod]),
         "trace_mixed_ratio": median([t["ratio"] for t in trace]),
-        "trace_steps_to": {a: {k: median([t[a]["steps_to"][k] for t in trace]) for k in
-                               trace[0][a]["steps_to"]} for a in ("trace", "root")},
-        "trace_reached": {a: {k: sum(t[a]["steps_to"][k] is not None for t in trace) for k in
-                              trace[0][a]["steps_to"]} for a in ("trace", "root")},
+        "trace_steps_to": {a: {str(k): median([t[a]["steps_to"][str(k)] for t in trace])
+                               for k in TARGETS} for a in ("trace", "root")},
+        "trace_reached": {a: {str(k): sum(t[a]["steps_to"][str(k)] is not None for t in trace)
+                              for k in TARGETS} for a in ("trace", "root")},
         "trace_mean_pass1": {a: median([t[a]["mean_pass1"] for t in trace])
                              for a in ("trace", "root")},
         "trace_config": args.trace_config, "seeds": args.seeds,
@@ -167,13 +178,17 @@ def markdown(out: dict) -> str:
              "| shuffled | TRACE mixed / 1k tok | root | TRACE steps to "
              + " / ".join(map(str, TARGETS)) + " | root |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for seed, t, c, tr in zip(out["seeds"], runs["tool"], runs["cod"], runs["trace"]):
-        lines.append(
-            f"| {seed} | {t['start']:.3f} → {t['end']:.3f} | {t['mul3_end']:.3f} "
-            f"({t['mul3_without_tool_end']:.3f}) | {c['slope_start']:.3f} → {c['slope']:.3f} | "
-            f"{c['shuffled_slope']:.3f} | {tr['trace']['mixed_per_1k_tokens']:.2f} | "
-            f"{tr['root']['mixed_per_1k_tokens']:.2f} | {_steps(tr['trace'])} | "
-            f"{_steps(tr['root'])} |")
+    for i, seed in enumerate(out["seeds"]):
+        t, c, tr = (runs[a][i] if runs[a] else None for a in ARMS)
+        cells = [str(seed)]
+        cells += [f"{t['start']:.3f} → {t['end']:.3f}", f"{t['mul3_end']:.3f} "
+                  f"({t['mul3_without_tool_end']:.3f})"] if t else ["–"] * 2
+        cells += [f"{c['slope_start']:.3f} → {c['slope']:.3f}",
+                  f"{c['shuffled_slope']:.3f}"] if c else ["–"] * 2
+        cells += [f"{tr['trace']['mixed_per_1k_tokens']:.2f}",
+                  f"{tr['root']['mixed_per_1k_tokens']:.2f}", _steps(tr["trace"]),
+                  _steps(tr["root"])] if tr else ["–"] * 4
+        lines.append("| " + " | ".join(cells) + " |")
     keys = ("tool_success_delta", "cod_position_slope", "cod_shuffled_slope",
             "trace_mixed_ratio")
     return "\n".join(lines + [""] + [f"{k}: {out[k]:.3f}" for k in keys])
