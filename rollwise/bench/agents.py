@@ -14,8 +14,9 @@
   (generate.trace.allocation=root, i.i.d. groups). Mixed-reward sibling sets per sampled token
   over the run; held-out pass@1 after every step, and the steps to each of TARGETS.
 
---arms runs some of them (the keys of the others are nan). Top-level keys (medians over seeds): tool_success_delta, cod_position_slope,
-cod_shuffled_slope, trace_mixed_ratio (TRACE's mixed sets per sampled token over root-only's).
+--arms runs some of them (the keys of the others are nan). Top-level keys (medians over
+seeds): tool_success_delta, cod_position_slope, cod_shuffled_slope, trace_mixed_ratio (TRACE's
+mixed sets per sampled token over root-only's).
 """
 
 from __future__ import annotations

@@ -85,9 +85,8 @@ class CalcTask:
         """The teacher's turns: a calculator call per hop and then the result for a product,
         the answer for a sum. A noisy teacher answers a one-hop product with a near miss and no
         call, and a chain with a near miss after its first call."""
-        calls = [f"calculator({a}{op}{b})" for a, op, b in hops(problem.data["terms"])]
-        if problem.tier not in TOOL_TIERS:
-            calls = []
+        calls = [f"calculator({a}{op}{b})" for a, op, b in hops(problem.data["terms"])] \
+            if problem.tier in TOOL_TIERS else []
         if noisy:
             return calls[:-1] + [noisy_answer(int(problem.answer), rng)]
         return calls + [problem.answer]
