@@ -40,6 +40,9 @@ def test_the_task_draws_its_own_tiers_and_keeps_eval_out_of_train():
     for p in chains.train:
         a, _, b, _, c = p.data["terms"]
         assert p.prompt == f"{a}*{b}*{c}=" and int(p.answer) == a * b * c
+    for p in load_task(load_config(None, CALC + ["task.tiers={chain3: 1}"]).task).train:
+        a, _, b, _, c, _, d = p.data["terms"]
+        assert p.prompt == f"{a}*{b}*{c}*{d}=" and int(p.answer) == a * b * c * d
     only = load_task(load_config(None, CALC + ["task.tiers={mul3: 1}"]).task)
     assert {p.tier for p in only.train} == {"mul3"}
     with pytest.raises(ValueError, match="unknown calc tier"):
@@ -49,8 +52,9 @@ def test_the_task_draws_its_own_tiers_and_keeps_eval_out_of_train():
 def test_a_transcript_is_the_episode_the_generator_builds_from_the_same_turns():
     """The SFT example of every tier equals, id for id and mask for mask, the episode the
     episode generator makes when the engine writes the teacher's turns."""
-    cfg = load_config(None, CALC + ["task.tiers={small: 1, mul2: 1, mul3: 1, chain: 1}",
-                                     "model.max_positions=112"])
+    cfg = load_config(None, CALC + [
+        "task.tiers={small: 1, mul2: 1, mul3: 1, chain: 1, chain3: 1}", "model.max_positions=128",
+        "generate.max_turns=4"])
     task, tok = load_task(cfg.task), char_tokenizer()
     examples = episode_examples(cfg, task, tok, noise=0.0, seed=0)
     seen = set()
@@ -65,7 +69,7 @@ def test_a_transcript_is_the_episode_the_generator_builds_from_the_same_turns():
         s = group.samples[0]
         assert ids == s.prompt_ids + s.response_ids and plen == len(s.prompt_ids)
         assert mask == s.loss_mask and s.meta["env_reward"] == 1.0
-    assert seen == {"small", "mul2", "mul3", "chain"}
+    assert seen == {"small", "mul2", "mul3", "chain", "chain3"}
     product = next(ex for p, ex in zip(task.train, examples) if p.tier == "mul3")
     _, _, labels = collate([product], tok.pad_token_id)
     trained = tok.decode([t for t in labels[0].tolist() if t != -100])
@@ -110,6 +114,24 @@ def test_the_noisy_teacher_stops_a_chain_after_its_first_call():
               for ids, plen, _ in examples]
     assert all(tok.decode(ids[plen:]).startswith("calculator(") for ids, plen, _ in examples)
     assert 0.35 < sum(second) / len(second) < 0.45
+
+
+def test_the_noisy_teacher_stops_a_three_hop_chain_after_one_or_two_calls():
+    """Each call takes the last one's result; a noisy solution makes the first call, stops
+    after the first or the second about equally often, and answers a near miss."""
+    cfg = load_config(None, CALC + ["task.tiers={chain3: 1}", "task.train_size=2000"])
+    task, rng = load_task(cfg.task), random.Random(0)
+    stops = []
+    for p in task.train:
+        a, _, b, _, c, _, d = p.data["terms"]
+        calls = [f"calculator({a}*{b})", f"calculator({a * b}*{c})",
+                 f"calculator({a * b * c}*{d})"]
+        assert task.worked_actions(p, rng, noisy=False) == calls + [p.answer]
+        noisy = task.worked_actions(p, rng, noisy=True)
+        stops.append(len(noisy) - 1)
+        assert noisy[:-1] == calls[:stops[-1]] and noisy[-1] != p.answer
+        assert len(noisy[-1]) == len(p.answer)
+    assert set(stops) == {1, 2} and 0.45 < stops.count(1) / len(stops) < 0.55
 
 
 def _episode(tier, reward, calls, split=False, error=False):

@@ -31,10 +31,12 @@ def _small(r: random.Random): return r.randint(0, 19), "+", r.randint(0, 19)
 def _mul2(r: random.Random): return r.randint(10, 99), "*", r.randint(2, 9)
 def _mul3(r: random.Random): return r.randint(100, 999), "*", r.randint(100, 999)
 def _chain(r: random.Random): return r.randint(10, 99), "*", r.randint(10, 99), "*", r.randint(2, 9)
+def _chain3(r: random.Random):
+    return r.randint(10, 99), "*", r.randint(2, 9), "*", r.randint(2, 9), "*", r.randint(2, 9)
 
 
-TIERS = {"small": _small, "mul2": _mul2, "mul3": _mul3, "chain": _chain}
-TOOL_TIERS = {"mul2", "mul3", "chain"}  # the teacher calls the calculator for these
+TIERS = {"small": _small, "mul2": _mul2, "mul3": _mul3, "chain": _chain, "chain3": _chain3}
+TOOL_TIERS = {"mul2", "mul3", "chain", "chain3"}  # the teacher calls the calculator for these
 DEFAULT_TIERS = {"small": 0.3, "mul2": 0.3, "mul3": 0.4}
 _OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
@@ -47,6 +49,12 @@ def hops(terms: list) -> list[tuple[int, str, int]]:
         out.append((value, op, b))
         value = _OPS[op](value, b)
     return out
+
+
+def stop_after(n_calls: int, rng: random.Random) -> int:
+    """How many calls the noisy teacher makes of n_calls before it answers: none for one hop,
+    else uniformly 1 to n_calls - 1 (no draw for two hops, which keeps chain's warm start)."""
+    return 0 if n_calls < 2 else 1 if n_calls == 2 else rng.randint(1, n_calls - 1)
 
 
 class CalcTask:
@@ -88,7 +96,7 @@ class CalcTask:
         calls = [f"calculator({a}{op}{b})" for a, op, b in hops(problem.data["terms"])] \
             if problem.tier in TOOL_TIERS else []
         if noisy:
-            return calls[:-1] + [noisy_answer(int(problem.answer), rng)]
+            return calls[:stop_after(len(calls), rng)] + [noisy_answer(int(problem.answer), rng)]
         return calls + [problem.answer]
 
     def extract_answer(self, response: str) -> str | None:
