@@ -623,11 +623,14 @@ class SyncConfig(Section):
     mode: Literal["full", "sparse"] = "full"
     """'full' ships every tensor; 'sparse' ships only the elements whose stored value changed
     since the engine's version (SparseRL-Sync), exactly. See rollwise/sync/."""
-    coding: Literal["delta", "pairs"] = "delta"
+    coding: Literal["delta", "context", "pairs"] = "delta"
     """How a sparse payload stores its changes, exactly either way. 'delta': index gaps (a byte
     each) and the difference of each value's bits from the engine's (2 bits for the +-1 of a
-    low-lr step), ~1.3 bytes per bf16 change; 'pairs': SparseRL-Sync's (int32 index, value)
-    pairs, 6 bytes per bf16 change, fixed-size for one collective per bucket."""
+    low-lr step), ~1.3 bytes per bf16 change; 'context': the same gaps and differences
+    Rice-coded per group of elements that share the engine's exponent (whether an element
+    changes depends mostly on it), ~0.5 bytes per bf16 change at lr 1e-6, a slower codec;
+    'pairs': SparseRL-Sync's (int32 index, value) pairs, 6 bytes per bf16 change, fixed-size
+    for one collective per bucket."""
     transport: Literal["inproc", "process", "socket"] = "inproc"
     """'inproc': the engine lives in the trainer's process; 'process': in a child process on
     this machine, fed through shared memory; 'socket': in a child process, fed through a Unix

@@ -114,10 +114,10 @@ def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) 
             "peers": peer}
 
 
-def syncs(trainer, proc):
+def syncs(trainer, proc, coding: str):
     from rollwise.sync import ProcessTransport, WeightSync
     transport = ProcessTransport(proc)
-    sparse = WeightSync(trainer, transport, mode="sparse", coding="delta")
+    sparse = WeightSync(trainer, transport, mode="sparse", coding=coding)
     full = WeightSync(trainer, transport, mode="full")
     pairs = WeightSync(trainer, transport, mode="sparse", coding="pairs")
     sparse.push()  # a new sender: full; the engine now holds the start weights
@@ -146,12 +146,12 @@ def tiny_rows(args) -> list[dict]:
             model = copy.deepcopy(model0)
             trainer = Trainer(model, TrainConfig(lr=lr, steps=10**6), pad_id=tok.pad_token_id,
                               seed=args.seed)
-            sparse, full, pairs, peers = syncs(trainer, proc)
+            sparse, full, pairs, peers = syncs(trainer, proc, args.coding)
             for step in range(1, args.tiny_steps + 1):
                 groups = rollouts(proc, tok, task, step, exact=bool(args.init), seed=args.seed)
                 trainer.update(groups)
                 rows.append({"model": "tiny", "params": models.num_params(model), "lr": lr,
-                             "wire": args.wire,
+                             "wire": args.wire, "coding": args.coding,
                              "step": step, **measure(sparse, full, pairs, check=True, peers=peers)})
                 log(args, rows[-1])
     finally:
@@ -242,14 +242,14 @@ def large_rows(args) -> list[dict]:
                 for n, p in model.named_parameters():
                     p.copy_(start[n])
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
-            sparse, full, pairs, peers = syncs(trainer, proc)
+            sparse, full, pairs, peers = syncs(trainer, proc, args.coding)
             for step in range(1, args.steps + 1):
                 t1 = time.perf_counter()
                 pg_step(model, opt, step, args.batch, args.vocab, args.seed)
                 trainer.version += 1
                 train_s = time.perf_counter() - t1
                 rows.append({"model": "0.5b", "params": params, "lr": lr, "step": step,
-                             "wire": args.wire,
+                             "wire": args.wire, "coding": args.coding,
                              "train_s": train_s,
                              **measure(sparse, full, pairs, check=step == args.steps or args.check_all,
                                         peers=peers)})
@@ -274,6 +274,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "bytes_ratio": med("full_bytes") / med("sparse_bytes"),
                     "pairs_mb": med("pairs_bytes") / 2**20,
                     "pairs_ratio": med("full_bytes") / med("pairs_bytes"), "wire": rs[0]["wire"],
+                    "coding": rs[0]["coding"],
                     "full_s": med("full_s"), "sparse_s": med("sparse_s"),
                     "speedup": med("full_s") / med("sparse_s"),
                     "full_link_s": med("full_s") + med("full_bytes") / LINK_BYTES_PER_S,
@@ -317,7 +318,8 @@ def peer_table(summary: list[dict]) -> str:
     for s in summary:
         if "peers" not in s:
             continue
-        lines.append(f"{s['model']:6} {s['lr']:7.0e} {'rollwise delta':>16} {s['sparse_mb']:9.3f} "
+        ours = "rollwise " + s["coding"]
+        lines.append(f"{s['model']:6} {s['lr']:7.0e} {ours:>16} {s['sparse_mb']:9.3f} "
                      f"{s['bytes_ratio']:8.1f} {s['rollwise_codec_s']:8.3f} "
                      f"{s['rollwise_link_s']:8.3f} {'yes' if s['bit_exact'] else 'NO':>5} "
                      f"{'':>16}")
@@ -378,6 +380,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per process (1: the CPU is shared; OpenMP's barriers "
                         "stall when its threads cannot all run)")
+    p.add_argument("--coding", choices=["delta", "context"], default="delta",
+                   help="the sparse payload's sync.coding")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)  # the engine process takes the same

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from rollwise.sync.coding import Coded
+from rollwise.sync.context_coding import ContextCoded
 
 PAD = 256
 """Buckets hold a multiple of this many elements, so every region starts 256-byte aligned."""
@@ -102,7 +103,7 @@ class Item:
     count: int
     indexed: bool
     index_dtype: str | None = None
-    coded: Coded | None = None
+    coded: Coded | ContextCoded | None = None
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Entry:
     bucket: int
     offset: int  # first element of this tensor in the bucket's values (and indices)
     count: int
-    coded: Coded | None = None  # a delta-coded blob (rollwise.sync.coding): count is bytes
+    coded: Coded | ContextCoded | None = None  # a coded blob (sync.coding): count is bytes
 
 
 @dataclass

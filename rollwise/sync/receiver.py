@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollwise.sync.errors import ChecksumError, CorruptPayloadError, StaleEngineError, SyncError
-from rollwise.sync import coding
+from rollwise.sync import coding, context_coding
 from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, dtype_name,
                                    entry_views, plan, specs, unique_tensors)
 
@@ -59,7 +59,9 @@ class Receiver:
                 for name, (values, indices) in entry_views(meta, arena).items():
                     flat = own[name].view(-1)
                     if name in coded:
-                        coding.apply(bits(flat), values, coded[name])
+                        decode = context_coding.apply if isinstance(
+                            coded[name], context_coding.ContextCoded) else coding.apply
+                        decode(bits(flat), values, coded[name])
                     elif indices is None:
                         flat.copy_(values)
                     else:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rollwise.sync import coding
+from rollwise.sync import coding, context_coding
 from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, digest,
                                    dtype_name, entry_views, index_dtype, plan, sparse_wins,
                                    to_dtype)
@@ -32,8 +32,8 @@ Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 arena the transport c
 class Sender:
     def __init__(self, spec: dict[str, TensorSpec], *, keep_mirror: bool, with_checksum: bool,
                  bucket_bytes: int, coding: str = "delta"):
-        if coding not in ("delta", "pairs"):
-            raise ValueError(f"sync coding {coding!r}: use 'delta' or 'pairs'")
+        if coding not in ("delta", "context", "pairs"):
+            raise ValueError(f"sync coding {coding!r}: use 'delta', 'context' or 'pairs'")
         self.coding = coding
         self.id = uuid.uuid4().hex[:12]
         self.spec = spec
@@ -112,8 +112,10 @@ class Sender:
             new = self._as_engine_dtype(self._weight(weights, name), mirror.dtype)
             idt = index_dtype(s.numel)
             nbytes = mirror.numel() * mirror.element_size()
-            if self.coding == "delta" and coding.codable(mirror.element_size()):
-                n, coded = coding.scan(bits(new), bits(mirror), idt, limit=nbytes)  # mirror too
+            if self.coding != "pairs" and coding.codable(mirror.element_size()):
+                n, coded = (coding.scan(bits(new), bits(mirror), idt, limit=nbytes)  # mirror too
+                            if self.coding == "delta" else
+                            context_coding.scan(bits(new), bits(mirror), limit=nbytes))
                 if coded is not None:
                     parts[name] = coded[0]
                     items.append(Item(name, s.dtype, coded[0].numel(), False, coded=coded[1]))
