@@ -4,7 +4,7 @@ Whether an element changes in an RL step at a low learning rate depends mostly o
 a step of about lr moves the stored value only when lr is comparable with the value's unit in
 the last place, and that unit doubles with every exponent. The engine holds the old value, so
 both sides know each element's exponent. Grouping elements by it (the 8 bits after the sign:
-bf16's and fp32's exponent, fp16's exponent and two mantissa bits) makes each group's changes
+bf16's and fp32's exponent, fp16's exponent and three mantissa bits) makes each group's changes
 close to uniform, and their gaps and sizes are coded with one Rice parameter per group: at lr
 1e-6 in bf16 a change's position costs about 2-3 bits instead of the ~8 of one shared gap code
 (rollwise.sync.coding).
