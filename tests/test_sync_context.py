@@ -11,7 +11,8 @@ from hypothesis import given, settings
 
 from rollwise.sync import context_coding as C
 from rollwise.sync import payload as P
-from tests.test_sync_payload import change, named, new_sync, push, same_bits
+from tests.test_sync_payload import (change, named, new_sync, push, random_bits_change,
+                                      same_bits)
 
 
 def reference_decode(old: torch.Tensor, blob: torch.Tensor, head: C.ContextCoded) -> dict:
@@ -70,15 +71,8 @@ def test_context_coding_round_trips_any_change(dtype, n, density, seed):
     """Random bits (every exponent, every difference size: sign flips, NaNs, escapes), nudges of
     one unit in the last place: scan codes exactly the changed elements, updates the mirror,
     and apply (and the plain-Python reading) rebuild the new bits from the old."""
-    rng = np.random.default_rng(seed)
-    width = torch.tensor([], dtype=dtype).element_size()
-    raw = lambda: torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
-    old = P.bits(raw())
-    new = old.clone()
-    mask = torch.from_numpy(rng.random(n) < density)
-    nudge = torch.from_numpy(rng.integers(-1, 2, n)).to(old.dtype)
-    new[mask] = torch.where(torch.from_numpy(rng.random(n) < 0.7)[mask], old[mask] + nudge[mask],
-                            P.bits(raw())[mask])
+    old, new = random_bits_change(dtype, n, density, seed)
+    width = old.element_size()
     mirror = old.clone()
     changes, coded = C.scan(new, mirror, 2**40)
     expected = (old != new).nonzero().squeeze(1)

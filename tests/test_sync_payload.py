@@ -98,6 +98,23 @@ def read_blob(blob: torch.Tensor, head: coding.Coded):
     return gaps.cumsum(0) - 1, diff
 
 
+def random_bits_change(dtype, n: int, density: float, seed: int):
+    """(old, new) integer views of n random elements of dtype: a share `density` changed, 70 %
+    of those by -1, 0 or +1 unit in the last place, the rest to random bits (any difference:
+    sign flips, NaNs); at one random element, sometimes nothing changes at all."""
+    rng = np.random.default_rng(seed)
+    width = torch.tensor([], dtype=dtype).element_size()
+    raw = lambda: torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
+    old = P.bits(raw())
+    new = old.clone()
+    mask = torch.from_numpy(rng.random(n) < density)
+    mask[rng.integers(0, n)] = bool(rng.integers(0, 2))
+    nudge = torch.from_numpy(rng.integers(-1, 2, n)).to(old.dtype)
+    new[mask] = torch.where(torch.from_numpy(rng.random(n) < 0.7)[mask], old[mask] + nudge[mask],
+                            P.bits(raw())[mask])
+    return old, new
+
+
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.uint8, torch.int8, torch.float16, torch.int32]),
        n=st.integers(1, 3000), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31),
@@ -105,16 +122,8 @@ def read_blob(blob: torch.Tensor, head: coding.Coded):
 def test_delta_coding_round_trips_any_change(dtype, n, density, seed, gap64):
     """Random bits (every difference size), sparse masks (long gaps): scan codes exactly the
     changed elements, updates the mirror, and apply rebuilds the new bits from the old."""
-    rng = np.random.default_rng(seed)
-    width = torch.tensor([], dtype=dtype).element_size()
-    raw = lambda: torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
-    old = P.bits(raw())
-    new = old.clone()
-    mask = torch.from_numpy(rng.random(n) < density)
-    mask[rng.integers(0, n)] = bool(rng.integers(0, 2))  # sometimes nothing changes at all
-    nudge = torch.from_numpy(rng.integers(-1, 2, n)).to(old.dtype)
-    new[mask] = torch.where(torch.from_numpy(rng.random(n) < 0.7)[mask], old[mask] + nudge[mask],
-                            P.bits(raw())[mask])
+    old, new = random_bits_change(dtype, n, density, seed)
+    width = old.element_size()
     mirror = old.clone()
     gap_dtype = torch.int64 if gap64 else torch.int32
     changes, coded = coding.scan(new, mirror, gap_dtype, 2**40)
