@@ -15,6 +15,7 @@ store exactly once with equal content, the final weights equal, every checkpoint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -82,18 +83,23 @@ def compare(ref: Path, run: Path) -> list[str]:
 
 def child(argv: list[str], kill_at: str | None = None, kill_after: float | None = None,
           log=None) -> int:
-    """Run `python -m rollwise` with argv; returns its exit code (-9: killed)."""
+    """Run `python -m rollwise` with argv; returns its exit code (-9: killed). The child leads
+    its own process group, killed once it has ended: what a killed driver leaves behind (the
+    local Ray's agents of loop.backend=ray, spawned ranks) does not outlive it."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if kill_at:
         env[ENV] = kill_at
     out = open(log, "a") if log else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "rollwise", *argv], env=env, stdout=out,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return proc.wait(timeout=kill_after)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
         return proc.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def next_kill(rng: random.Random, i: int, run: Path, steps: int,

@@ -132,6 +132,13 @@ def _inverse_cdf(logp: torch.Tensor, probs: torch.Tensor, uniforms: list[float])
     return torch.where(ok, picked, logp.argmax(-1))
 
 
+def derived_seed(seed: int, n_tokens: int) -> int:
+    """The seed of a sequence's continuation after `n_tokens` tokens, when it is submitted
+    again as a new request (vLLM's resume, a Ray worker's re-queue): a fresh stream, so the
+    continuation does not replay the uniforms its first tokens used."""
+    return (seed * 1_000_003 + n_tokens) % (1 << 63)
+
+
 class SeedStream:
     """A per-request stream of uniforms."""
 

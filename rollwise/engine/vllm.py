@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from rollwise.engine.engine import Completion, Request, SparseUpdate, _scatter, completion_of
-from rollwise.engine.sampling import SamplingParams
+from rollwise.engine.sampling import SamplingParams, derived_seed
 from rollwise.engine.scheduler import Event, Sequence, SeqStatus
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -206,7 +206,7 @@ class VLLMEngine:
         seq = self._paused.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"sequence {seq_id} is not paused; pause it before resume")
-        self._submit(seq, _derived_seed(seq.rng, len(seq.tokens)))
+        self._submit(seq, derived_seed(seq.rng, len(seq.tokens)))
 
     def fork(self, seq_id: int, n: int, *, seeds: list[int] | None = None,
              params: SamplingParams | None = None,
@@ -360,7 +360,3 @@ def _retie_lm_head(model) -> None:
     head, embed = model.lm_head, model.model.embed_tokens
     head.weight = embed.weight
     head.quant_method.process_weights_after_loading(head)
-
-
-def _derived_seed(seed: int, n_tokens: int) -> int:
-    return (seed * 1_000_003 + n_tokens) % (1 << 63)

@@ -8,6 +8,12 @@ vLLM with engine.backend=vllm), behind the one engine interface the stages alrea
 
 - Requests are spread over the workers by load; a tree's children stay on their parent's
   worker (they share its K/V).
+- Seeds: a request without a seed gets one from the pool's own seeded stream, drawn in the
+  order the in-process engine draws (one per request, one per forked child), so what a request
+  samples does not depend on the worker it lands on, one worker at seed s samples what the
+  in-process engine does, and the stream's state goes into checkpoints (a resumed run samples
+  what an uninterrupted one would). A re-queued sequence continues on a stream derived from
+  its seed and length.
 - A vLLM worker builds the model from its config, saves it in its own temporary folder and
   starts vLLM on it; the weights come with the first payload, as a built-in worker's do, so
   no node needs the trainer's files. It takes a GPU where the cluster has one per worker
@@ -25,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from dataclasses import dataclass, field
 
 import ray
 import torch
 
 from rollwise.engine import Completion, Event, Request
+from rollwise.engine.sampling import derived_seed
 from rollwise.sync.engine_proc import _build_engine_in_child, _unwire, _wire
 from rollwise.sync.payload import dtype_name, pack_meta, to_dtype, unpack_meta
 from rollwise.sync.receiver import Receiver
@@ -126,6 +134,7 @@ class WorkerPool:
         self.seqs: dict[int, _Seq] = {}
         self.local_to_global: dict[tuple[int, int], int] = {}
         self.next_id = 0
+        self._seeds = random.Random(engine_kwargs.get("seed", 0))
         self.version = -1
         self.tokens_generated = 0
         self._tokens: dict[int, int] = {}  # per live worker
@@ -145,10 +154,7 @@ class WorkerPool:
 
     def _spawn(self) -> tuple[int, object]:
         key, self.next_key = self.next_key, self.next_key + 1
-        init = dict(self.init)  # each worker its own seed stream: no two draw the same samples
-        init["engine_kwargs"] = {**init["engine_kwargs"],
-                                 "seed": init["engine_kwargs"].get("seed", 0) + 1_000_003 * key}
-        return key, self.actor_cls.remote(init)
+        return key, self.actor_cls.remote(self.init)
 
     def _admit(self, key: int, actor) -> int:
         self._tokens[key] = 0
@@ -176,6 +182,9 @@ class WorkerPool:
 
     # ---- the engine protocol ---------------------------------------------------------------
     def add(self, request: Request) -> int:
+        if request.params.seed is None:
+            request = dataclasses.replace(request, params=dataclasses.replace(
+                request.params, seed=self._seeds.getrandbits(63)))
         for _ in range(MAX_TRIES):
             key = self._least_loaded()
             try:
@@ -211,11 +220,14 @@ class WorkerPool:
 
     def fork(self, seq_id: int, n: int, *, seeds=None, params=None,
              last_tokens=None) -> list[int]:
+        if seeds is None:
+            seeds = [self._seeds.getrandbits(63) for _ in range(n)]
         locals_ = self._on_seq(seq_id, "fork", n, seeds=seeds, params=params,
                                last_tokens=last_tokens)
         s, out = self.seqs[seq_id], []
-        for local in locals_:
-            gid = self._register(s.worker, local, s.request)
+        for local, seed in zip(locals_, seeds):
+            own = dataclasses.replace(params or s.request.params, seed=seed)
+            gid = self._register(s.worker, local, dataclasses.replace(s.request, params=own))
             child = self.seqs[gid]
             child.offset = s.offset
             child.delivered = {c: list(v) for c, v in s.delivered.items()}
@@ -264,6 +276,14 @@ class WorkerPool:
                     reasons[ev.seq_id] = ev.finish_reason
         return [Completion(r.id, **got[gid], finish_reason=reasons[gid], seq_id=gid)
                 for gid, r in zip(ids, requests)]
+
+    def state_dict(self) -> dict:
+        """The request-seed stream and id counter, as the in-process engine's."""
+        return {"seeds": self._seeds.getstate(), "next_id": self.next_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seeds.setstate(state["seeds"])
+        self.next_id = state["next_id"]
 
     # ---- weight sync (rollwise.sync.weight_sync uses this transport) -----------------------
     def sync_transport(self) -> "PoolTransport":
@@ -341,7 +361,8 @@ class WorkerPool:
         """Submit what is left of a sequence to worker `key`: prompt + delivered tokens."""
         done = len(s.delivered["token_ids"])
         params = dataclasses.replace(s.request.params,
-                                     max_new_tokens=s.request.params.max_new_tokens - done)
+                                     max_new_tokens=s.request.params.max_new_tokens - done,
+                                     seed=derived_seed(s.request.params.seed, done))
         req = Request(s.request.prompt_ids + s.delivered["token_ids"], params, s.request.id)
         self.local_to_global.pop((s.worker, s.local), None)
         for _ in range(MAX_TRIES):
