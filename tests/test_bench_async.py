@@ -4,6 +4,7 @@ closed form, and a tiny end-to-end run with its JSON keys and report section."""
 import json
 
 import pytest
+import torch
 
 from rollwise.bench import async_ as bench
 from tests.test_crash_resume import SMALL
@@ -38,6 +39,21 @@ def test_cost_model_matches_its_closed_form():
     assert all(a >= s for a, s in zip(curves["async/full"], curves["sync/full"]))
 
 
+def test_a_runs_threads_do_not_leak_into_the_next_arm(tmp_path):
+    # the async arms set run.threads=1; the sync arm after them (run.threads=0) must get the
+    # process's own threads back, not run on one
+    from rollwise.config import load_config
+    from rollwise.loop.sync import train
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train(load_config(None, SMALL + [f"run.root={tmp_path}", "train.steps=1",
+                                         "run.threads=1"]))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_tiny_end_to_end(tmp_path, capsys):
     small = [o for o in SMALL if not o.startswith(("train.steps", "run.", "filter.reward"))]
     argv = ["--seeds", "0", "--steps", "4", "--eval-every", "2", "--target", "0",
@@ -50,3 +66,19 @@ def test_tiny_end_to_end(tmp_path, capsys):
     assert data["arms"]["async1"]["staleness_max"] <= 1
     assert len(data["cost_model"]["tokens_per_s"]["async/sparse"]) == len(bench.WORKERS)
     assert "Cost model" in (tmp_path / "async_report.html").read_text()
+
+
+def test_summary_pairs_seeds_and_reports_the_sync_seed_noise():
+    def result(arm, seed, pass1, tps):
+        return {"arm": arm, "seed": seed, "pass1_end": pass1, "tokens_per_s": tps,
+                "seconds_to_target": None, "reached": False, "seconds": 10.0,
+                "staleness_max": 0 if arm == "sync" else 1}
+    results = [result("sync", 0, 0.8, 100.0), result("sync", 1, 0.6, 120.0),
+               result("sync", 2, 0.7, 110.0), result("async1", 0, 0.7, 150.0),
+               result("async1", 1, 0.7, 160.0), result("async1", 3, 0.1, 170.0)]
+    out = bench.summarize(results)
+    assert out["async_speedup"] == pytest.approx(160.0 / 110.0)  # medians
+    # seeds 0 and 1 are in both arms: (0.7 - 0.8 + 0.7 - 0.6) / 2; seed 3 has no partner
+    assert out["async_pass1_delta"] == pytest.approx(0.0)
+    assert out["sync_pass1_sd"] == pytest.approx(0.1)  # the sample sd of 0.8, 0.6, 0.7
+    assert out["arms"]["async1"]["staleness_max"] == 1

@@ -7,8 +7,10 @@ default config's SFT) and seeds:
 - sync: the synchronous loop, engine in this process, torch's default threads;
 - async1, async2: loop.mode=async with max_staleness 1 and 2, the engine in a child process
   (sync.transport=process), so generation and training each have a core (one thread each),
-  and train.correction.mode=tis (stale tokens weighted by pi_prox / mu, truncated);
-- ray2: loop.backend=ray with 2 rollout workers, asynchronous at max_staleness 1, TIS.
+  and the correction of stale() below: truncated importance weights, the PPO ratio anchored at
+  the sampling version (eta snapshots kept), VCPO's ESS-scaled learning rate;
+- ray2: loop.backend=ray with 2 rollout workers, asynchronous at max_staleness 1, the same
+  correction.
 
 Per arm and seed: trained tokens per second over the run (evaluation excluded), seconds to the
 held-out greedy pass@1 target (evaluation excluded), final pass@1. Every arm uses sparse sync,
@@ -20,7 +22,9 @@ arm's per-step overhead), give the throughput of W = 1..64 rollout workers, sync
 plotted into <root>/async_report.html beside the arms' curves.
 
 Top-level JSON keys: async_speedup (async1's median tokens per second over sync's),
-async_pass1_delta (async1's final pass@1 minus sync's, mean over seeds).
+async_pass1_delta (async1's final pass@1 minus sync's, mean over seeds), and beside them
+sync_pass1_sd (the seed standard deviation of sync's final pass@1: the noise the delta is
+measured against).
 """
 
 from __future__ import annotations
@@ -34,16 +38,28 @@ from pathlib import Path
 
 from rollwise.bench.jobs import BENCH_RUN, execute, print_keys_and_failures, warm_start_folder
 
-# stale tokens need the behaviour correction (AReaL's decoupled objective: truncated
-# importance weights pi_prox / mu): at this learning rate a step moves the policy by several
-# nats on some tokens, and without it one step of staleness undoes the learning
-STALE = ["train.correction.mode=tis", "run.threads=1"]
+
+
+def stale(eta: int) -> list[str]:
+    """The correction for tokens up to eta versions old. At this learning rate a step moves
+    the policy by several nats on some tokens; without a correction one step of staleness
+    undoes the learning. Truncated importance weights (TIS) on the behaviour ratio, the PPO
+    ratio anchored at the sampling version's weights (kept as eta snapshots, so the clip
+    bounds each token's move from the policy that sampled it), and VCPO's learning rate
+    scaled by the batch's effective sample size. Final pass@1 at eta = 1, 6 seeds, against
+    sync: TIS alone -0.14 (3 seeds), with VCPO -0.07, with both and the version anchor
+    -0.005 (BENCHMARKS)."""
+    return ["train.correction.mode=tis", "train.correction.vcpo_lr=true",
+            "train.correction.anchor=version", f"train.correction.snapshots={eta}",
+            "run.threads=1"]
+
+
 ARMS = {
     "sync": [],
-    "async1": ["loop.mode=async", "loop.max_staleness=1", "sync.transport=process", *STALE],
-    "async2": ["loop.mode=async", "loop.max_staleness=2", "sync.transport=process", *STALE],
+    "async1": ["loop.mode=async", "loop.max_staleness=1", "sync.transport=process", *stale(1)],
+    "async2": ["loop.mode=async", "loop.max_staleness=2", "sync.transport=process", *stale(2)],
     "ray2": ["loop.mode=async", "loop.max_staleness=1", "loop.backend=ray",
-             "loop.rollout_workers=2", *STALE],
+             "loop.rollout_workers=2", *stale(1)],
 }
 WORKERS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -169,6 +185,8 @@ def summarize(results: list[dict]) -> dict:
                            for r in rs),
                        "reached": sum(r["reached"] for r in rs), "runs": len(rs),
                        "pass1_end": statistics.fmean(r["pass1_end"] for r in rs),
+                       "pass1_sd": statistics.stdev(r["pass1_end"] for r in rs)
+                       if len(rs) > 1 else None,
                        "staleness_max": max(r["staleness_max"] for r in rs)}
     out = {"arms": arms}
     if "sync" in arms and "async1" in arms and arms["sync"]["tokens_per_s"] > 0:
@@ -177,6 +195,7 @@ def summarize(results: list[dict]) -> dict:
         end = {(r["arm"], r["seed"]): r["pass1_end"] for r in results}
         out["async_pass1_delta"] = statistics.fmean(end["async1", s] - end["sync", s]
                                                     for s in seeds)
+        out["sync_pass1_sd"] = arms["sync"]["pass1_sd"]
     return out
 
 
@@ -220,7 +239,9 @@ def main(argv: list[str]) -> int:
     for arm, m in out["arms"].items():
         print(f"{arm:8s} tokens/s {m['tokens_per_s']:8.0f}  s-to-target "
               f"{m['seconds_to_target']:7.1f} (reached {m['reached']}/{m['runs']})  "
-              f"pass@1 end {m['pass1_end']:.3f}  staleness max {m['staleness_max']}")
+              f"pass@1 end {m['pass1_end']:.3f}"
+              + (f" (sd {m['pass1_sd']:.3f})" if m["pass1_sd"] is not None else "")
+              + f"  staleness max {m['staleness_max']}")
     if a.json:
         print(json.dumps({**out, "runs": results}, indent=1, default=str))
     return print_keys_and_failures(out, ("async_speedup", "async_pass1_delta"), failed,

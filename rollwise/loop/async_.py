@@ -98,7 +98,9 @@ class Pipeline:
         if cfg is not None and max_staleness > 0 and cfg.train.correction.mode == "none":
             run.progress.log(f"loop.max_staleness = {max_staleness} with train.correction.mode"
                              f" = none: stale tokens are trained as if on-policy; set "
-                             f"train.correction.mode=tis (AReaL's decoupled objective)")
+                             f"train.correction.mode=tis train.correction.anchor=version "
+                             f"train.correction.snapshots={max_staleness} "
+                             f"train.correction.vcpo_lr=true (README: asynchronous training)")
         if hasattr(run.control, "bind"):  # a learned controller reads the engine's weights,
             run.control.bind(policy=None)  # never the trainer's, which change under it
         self.cv = threading.Condition()

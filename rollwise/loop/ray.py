@@ -9,8 +9,8 @@ vLLM with engine.backend=vllm), behind the one engine interface the stages alrea
 - Requests are spread over the workers by load; a tree's children stay on their parent's
   worker (they share its K/V).
 - Seeds: a request without a seed gets one from the pool's own seeded stream, drawn in the
-  order the in-process engine draws (one per request, one per forked child), so what a request
-  samples does not depend on the worker it lands on, one worker at seed s samples what the
+  order the in-process engine draws (one per request, one per forked child). So a request's
+  uniforms do not depend on the worker it lands on, one worker at seed s samples what the
   in-process engine does, and the stream's state goes into checkpoints (a resumed run samples
   what an uninterrupted one would). A re-queued sequence continues on a stream derived from
   its seed and length.

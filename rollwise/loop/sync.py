@@ -311,7 +311,18 @@ class Run:
 def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
           inputs: Inputs | None = None) -> dict:
     """Train; with resume, continue the run in run.root/run.name from its newest intact
-    checkpoint (starting over when it has none). inputs: Python objects (rollwise.train)."""
+    checkpoint (starting over when it has none). inputs: Python objects (rollwise.train).
+    run.threads holds for this run only: a later run in the same process (a benchmark's next
+    arm) with run.threads=0 gets the torch threads the caller had, not this run's."""
+    threads = torch.get_num_threads()
+    try:
+        return _train(cfg, progress, resume, inputs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: Config, progress: Progress | None, resume: bool,
+           inputs: Inputs | None) -> dict:
     progress = progress or Progress(cfg.run.log, cfg.train.steps)
     wall0 = time.time()
     found = ckpt.latest(Path(cfg.run.root) / cfg.run.name, progress.log) if resume else None
