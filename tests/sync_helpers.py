@@ -1,5 +1,9 @@
 """Shared by tests/test_sync_*.py: one round of real rollouts from an engine, as groups."""
 
+import time
+
+from transformers import Qwen2ForCausalLM
+
 from rollwise.engine import Request, SamplingParams
 from rollwise.types import Group, Sample
 
@@ -22,3 +26,11 @@ def rl_groups(engine, tok, seed: int | None = None, group_size: int = 4) -> list
         s.reward = float(c.token_ids[0] % 2 == 0)
         groups.setdefault(r.id, []).append(s)
     return [Group(str(k), v) for k, v in groups.items()]
+
+
+class HangingModel(Qwen2ForCausalLM):
+    """A model whose construction never finishes: an engine child that is alive but never
+    says it is up (module level, so a spawned child can unpickle it)."""
+
+    def __init__(self, config):
+        time.sleep(3600)

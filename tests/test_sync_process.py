@@ -133,3 +133,46 @@ def test_a_refusal_on_the_socket_wire_leaves_the_pipe_usable(tiny, socket_proc):
     assert m["sync/sparse"] == 0.0 and socket_proc.version == trainer.version
     trainer.update(rl_groups(socket_proc, tok, seed=8))
     assert sync.push()["sync/sparse"] == 1.0
+
+
+def test_an_engine_process_that_never_starts_is_reported_not_waited_on(tiny, monkeypatch):
+    """A child that is alive but never says it is up (here its model's construction hangs;
+    in practice, a script without a __main__ guard) is a timeout naming the wait, and the
+    child is gone afterwards."""
+    from rollwise.sync import engine_proc
+    from sync_helpers import HangingModel
+    model = copy.deepcopy(tiny[0])
+    model.__class__ = HangingModel  # what the child builds; the parent's weights are intact
+    monkeypatch.setattr(engine_proc, "START_TIMEOUT_S", 2.0)
+    spawned = []
+    real_start = engine_proc.mp.context.SpawnProcess.start
+    monkeypatch.setattr(engine_proc.mp.context.SpawnProcess, "start",
+                        lambda self: (spawned.append(self), real_start(self))[1])
+    with pytest.raises(EngineProcessError, match=r"waited 2s for the engine process to start"):
+        EngineProcess(model)
+    assert len(spawned) == 1 and not spawned[0].is_alive()
+
+
+def test_a_failed_spawn_does_not_hang_on_cleanup(tiny, monkeypatch):
+    """When the child cannot be started, the error is raised and the half-built object's
+    cleanup returns (it used to wait for a reply on a pipe whose other end it held itself)."""
+    import threading
+    from rollwise.sync import engine_proc
+
+    def refuse(self):
+        raise RuntimeError("no processes left")
+    monkeypatch.setattr(engine_proc.mp.context.SpawnProcess, "start", refuse)
+    outcome = []
+
+    def build_and_drop():
+        try:
+            EngineProcess(tiny[0])
+        except RuntimeError as e:
+            outcome.append(str(e))
+        import gc
+        gc.collect()  # the half-built object's __del__ runs here
+        outcome.append("cleaned up")
+    t = threading.Thread(target=build_and_drop, daemon=True)
+    t.start()
+    t.join(30)
+    assert outcome == ["no processes left", "cleaned up"]

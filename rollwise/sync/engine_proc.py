@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import time
 import traceback
 
 import torch
@@ -39,6 +40,7 @@ def _unwire(w) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=to_dtype(dtype)).reshape(shape)
 
 
+START_TIMEOUT_S = 300.0  # building the model and the engine in the child
 WIRES = {"process": "shm", "socket": "socket"}  # sync.transport -> EngineProcess(wire=...)
 
 
@@ -62,14 +64,28 @@ class EngineProcess:
                 "buffers": {n: _wire(b) for n, b in model.named_buffers()},
                 "dtype": None if dtype is None else dtype_name(dtype),
                 "threads": threads or torch.get_num_threads(), "engine_kwargs": engine_kwargs}
-        self._proc = ctx.Process(target=_child_main, args=(child, init), daemon=True,
-                                 name="rollwise-engine")
-        self._proc.start()
-        child.close()
         self._arena: SharedArena | None = None
         self.tokens_generated = 0
         self._version = -1
-        self._recv()  # the child is up
+        self._proc = ctx.Process(target=_child_main, args=(child, init), daemon=True,
+                                 name="rollwise-engine")
+        try:
+            self._proc.start()
+        except BaseException:
+            self._proc = None
+            raise
+        finally:
+            child.close()  # else this process holds the pipe's other end: no EOF if it dies
+        try:
+            self._recv(START_TIMEOUT_S, "to start (build its model); the usual cause of a hang "
+                       "here is a script without an `if __name__ == '__main__':` guard: the "
+                       "spawned child imports it and runs it again")
+        except BaseException:
+            self._proc.kill()  # it did not start: nothing to close gracefully
+            self._proc.join()
+            self._conn.close()
+            self._proc = None
+            raise
         self.load_weights(model.state_dict(), version)
 
     # --- the engine's interface -------------------------------------------------------------
@@ -172,8 +188,17 @@ class EngineProcess:
         except (BrokenPipeError, OSError) as e:
             raise self._died() from e
 
-    def _recv(self):
+    def _recv(self, timeout_s: float | None = None, waiting: str = "to reply"):
+        """The child's reply. Waits while the child is alive (a generate call may be long),
+        at most timeout_s where given; a dead child raises at once, not at the timeout."""
+        t0 = time.monotonic()
         try:
+            while not self._conn.poll(1.0):
+                if not self._proc.is_alive():
+                    raise self._died()
+                if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                    raise EngineProcessError(f"waited {timeout_s:.0f}s for the engine "
+                                             f"process {waiting}")
             reply = self._conn.recv()
         except (EOFError, OSError) as e:
             raise self._died() from e
@@ -194,7 +219,8 @@ class EngineProcess:
             return
         try:
             self._conn.send(("close", ()))
-            self._conn.recv()
+            if self._conn.poll(10):
+                self._conn.recv()
         except (EOFError, OSError):
             pass
         self._proc.join(timeout=10)
