@@ -82,3 +82,21 @@ def test_summary_pairs_seeds_and_reports_the_sync_seed_noise():
     assert out["async_pass1_delta"] == pytest.approx(0.0)
     assert out["sync_pass1_sd"] == pytest.approx(0.1)  # the sample sd of 0.8, 0.6, 0.7
     assert out["arms"]["async1"]["staleness_max"] == 1
+
+
+def test_the_ceiling_is_syncs_step_over_the_slower_side_alone():
+    def phases(arm, seed, gen, train):
+        return {"arm": arm, "seed": seed, "gen_s": gen, "train_s": train, "pass1_end": 0.5,
+                "tokens_per_s": 1.0, "seconds_to_target": None, "reached": False,
+                "seconds": 1.0, "staleness_max": 0}
+    results = [phases("sync", 0, 0.08, 0.12), phases("sync", 1, 0.10, 0.12),
+               phases("sync", 2, 0.09, 0.30),
+               phases("alone1", 0, 0.15, 0.25), phases("alone1", 1, 0.30, 0.20),
+               phases("alone1", 2, 0.16, 0.22)]
+    out = bench.summarize(results)
+    # sync's median step is 0.22 s (0.20, 0.22, 0.39); alone, generation's median is 0.16 s
+    # and training's 0.22 s: the overlap runs at the slower side's pace at best
+    assert out["async_ceiling"] == pytest.approx(0.22 / 0.22)
+    assert "async_speedup" not in out  # no async1 arm ran
+    results[5]["train_s"] = 0.11  # training's median alone becomes 0.20 s
+    assert bench.summarize(results)["async_ceiling"] == pytest.approx(0.22 / 0.20)

@@ -10,7 +10,9 @@ default config's SFT) and seeds:
   and the correction of stale() below: truncated importance weights, the PPO ratio anchored at
   the sampling version (eta snapshots kept), VCPO's ESS-scaled learning rate;
 - ray2: loop.backend=ray with 2 rollout workers, asynchronous at max_staleness 1, the same
-  correction.
+  correction;
+- alone1: async1's settings in the synchronous loop: generation and training each with one
+  core to themselves, never side by side.
 
 Per arm and seed: trained tokens per second over the run (evaluation excluded), seconds to the
 held-out greedy pass@1 target (evaluation excluded), final pass@1. Every arm uses sparse sync,
@@ -21,10 +23,12 @@ arm's per-step overhead), give the throughput of W = 1..64 rollout workers, sync
 (gen/W + train + sync) and asynchronous (max(gen/W, train + sync)), with full and sparse sync;
 plotted into <root>/async_report.html beside the arms' curves.
 
+
 Top-level JSON keys: async_speedup (async1's median tokens per second over sync's),
 async_pass1_delta (async1's final pass@1 minus sync's, mean over seeds), and beside them
 sync_pass1_sd (the seed standard deviation of sync's final pass@1: the noise the delta is
-measured against).
+measured against), and async_ceiling (sync's seconds per step over the slower side's in
+alone1: the most any overlap of generation and training could gain on this machine).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ ARMS = {
     "async2": ["loop.mode=async", "loop.max_staleness=2", "sync.transport=process", *stale(2)],
     "ray2": ["loop.mode=async", "loop.max_staleness=1", "loop.backend=ray",
              "loop.rollout_workers=2", *stale(1)],
+    # async1's settings run synchronously: each side's time per step with a core to itself,
+    # the most an overlap of the two could achieve (async_ceiling)
+    "alone1": ["sync.transport=process", *stale(1)],
 }
 WORKERS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -194,7 +201,19 @@ def summarize(results: list[dict]) -> dict:
         out["async_pass1_delta"] = statistics.fmean(end["async1", s] - end["sync", s]
                                                     for s in seeds)
         out["sync_pass1_sd"] = arms["sync"]["pass1_sd"]
+    if by["sync"] and by["alone1"]:
+        out["async_ceiling"] = overlap_ceiling(by["sync"], by["alone1"])
     return out
+
+
+def overlap_ceiling(sync: list[dict], alone: list[dict]) -> float:
+    """The largest async_speedup this machine allows with async1's settings: sync's step
+    (generation then training, each on every core) over the slower of the two sides when each
+    has one core to itself and nothing runs beside it (medians over seeds). Asynchrony only
+    overlaps the sides; it cannot make either faster than it runs alone."""
+    step = statistics.median(r["gen_s"] + r["train_s"] for r in sync)
+    return step / max(statistics.median(r["gen_s"] for r in alone),
+                      statistics.median(r["train_s"] for r in alone))
 
 
 def main(argv: list[str]) -> int:
@@ -242,8 +261,8 @@ def main(argv: list[str]) -> int:
               + f"  staleness max {m['staleness_max']}")
     if a.json:
         print(json.dumps({**out, "runs": results}, indent=1, default=str))
-    return print_keys_and_failures(out, ("async_speedup", "async_pass1_delta"), failed,
-                                   lambda r: r["arm"])
+    keys = ("async_speedup", "async_ceiling", "async_pass1_delta")
+    return print_keys_and_failures(out, keys, failed, lambda r: r["arm"])
 
 
 if __name__ == "__main__":
