@@ -3,6 +3,7 @@ bit for bit; at 1 and 2 every trained token is within the bound and keeps the ve
 behaviour log-probability it was sampled with, rollouts span weight updates, a kill -9 and a
 resume lose and repeat nothing; every wait times out with an error naming what it waited for."""
 
+import io
 import json
 import signal
 import threading
@@ -251,3 +252,35 @@ def test_the_gate_lets_a_push_in_between_engine_calls_only():
     pusher.join(2)
     engine.step()
     assert order == ["step", "events", "push", "step"]
+
+
+def test_async_on_cpu_splits_the_cores_unless_told_otherwise(monkeypatch):
+    from rollwise.loop import sync
+    monkeypatch.setattr(sync.os, "cpu_count", lambda: 8)
+
+    def threads(*overrides, device="cpu"):
+        return sync.torch_threads(load_config(None, list(overrides)), device)
+    assert threads("loop.mode=async", "loop.max_staleness=1") == 4  # half each side
+    assert threads("loop.mode=async", "loop.max_staleness=2", "sync.transport=process") == 4
+    assert threads("loop.mode=async", "loop.max_staleness=1", "run.threads=3") == 3  # asked
+    assert threads() == 0  # synchronous: torch's own
+    assert threads("loop.mode=async", "loop.max_staleness=0") == 0  # nothing overlaps
+    assert threads("loop.mode=async", "loop.max_staleness=1", "loop.backend=ray") == 0
+    monkeypatch.setattr(sync.os, "cpu_count", lambda: 1)
+    assert threads("loop.mode=async", "loop.max_staleness=1") == 1
+
+
+def test_an_async_run_takes_its_share_of_the_cores_and_gives_them_back(tmp_path, monkeypatch):
+    from rollwise.loop import sync
+    monkeypatch.setattr(sync.os, "cpu_count", lambda: 4)
+    seen, logged = [], io.StringIO()
+    real = sync.Run.consume
+    monkeypatch.setattr(sync.Run, "consume",
+                        lambda self, r, push=None: (seen.append(torch.get_num_threads()),
+                                                    real(self, r, push))[1])
+    before = torch.get_num_threads()
+    train(load_config(None, SMALL + ASYNC + ["loop.max_staleness=1", f"run.root={tmp_path}",
+                                              "train.steps=2", "run.threads=0"]),
+          Progress("plain", 2, stream=logged))
+    assert seen == [2, 2] and torch.get_num_threads() == before
+    assert "2 torch thread(s) each for generation and training" in logged.getvalue()

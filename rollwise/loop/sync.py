@@ -11,6 +11,7 @@ final model as a Hugging Face folder and the rollouts as Parquet.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -103,6 +104,20 @@ def preflight(cfg: Config, inputs: Inputs):
     return device
 
 
+def torch_threads(cfg: Config, device) -> int:
+    """The torch threads a run sets (0: keep the caller's). run.threads where given; where it
+    is 0, half the cores for the asynchronous loop (max_staleness > 0) on CPU with the
+    built-in engine, whose generation and training run side by side: two pools of every core
+    each spin against the other (0.13x the synchronous loop on 2 cores, BENCHMARKS). At
+    max_staleness 0 nothing overlaps, and the threads stay the synchronous loop's."""
+    if (cfg.run.threads or cfg.loop.mode != "async" or cfg.loop.max_staleness == 0
+            or cfg.loop.backend != "local"):
+        return cfg.run.threads
+    if cfg.engine.backend != "builtin" or torch.device(device).type != "cpu":
+        return 0
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 class Run:
     """Holds the stages and parts of one training run; `step()` is one pass of the loop."""
 
@@ -119,8 +134,13 @@ class Run:
                                  f"{' or '.join(strategies)}: set it and generate.env (e.g. "
                                  f"--config configs/{example}.yaml)")
         seed_everything(cfg.run.seed)
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
+        threads = torch_threads(cfg, self.device)
+        if threads:
+            torch.set_num_threads(threads)
+            if not cfg.run.threads:
+                progress.log(f"loop.mode=async on CPU: {threads} torch thread(s) each for "
+                             f"generation and training, which run side by side (set "
+                             f"run.threads to choose)")
         self.dir = Path(cfg.run.root) / cfg.run.name
         if self.dir.exists() and not resume:
             progress.log(f"replacing the earlier run in {self.dir}")
