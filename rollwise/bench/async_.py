@@ -23,7 +23,6 @@ arm's per-step overhead), give the throughput of W = 1..64 rollout workers, sync
 (gen/W + train + sync) and asynchronous (max(gen/W, train + sync)), with full and sparse sync;
 plotted into <root>/async_report.html beside the arms' curves.
 
-
 Top-level JSON keys: async_speedup (async1's median tokens per second over sync's),
 async_pass1_delta (async1's final pass@1 minus sync's, mean over seeds), and beside them
 sync_pass1_sd (the seed standard deviation of sync's final pass@1: the noise the delta is
