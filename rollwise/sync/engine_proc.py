@@ -67,7 +67,6 @@ class EngineProcess:
         self._arena: SharedArena | None = None
         self.tokens_generated = 0
         self._version = -1
-        self._unfinished = False  # the child's engine.has_unfinished() after the last call
         self._proc = ctx.Process(target=_child_main, args=(child, init), daemon=True,
                                  name="rollwise-engine")
         try:
@@ -107,18 +106,12 @@ class EngineProcess:
     def stream(self):
         """Step until nothing is waiting or running, yielding events (one call per step: a
         generator cannot cross the process boundary)."""
-        while self.has_unfinished():
+        while self.call("has_unfinished"):
             yield from self.call("step")
-
-    def has_unfinished(self) -> bool:
-        """Answered here: every change to the child's requests is a call, and each call's reply
-        carries the flag (one round trip per decode step, not two)."""
-        return self._unfinished
 
     def call(self, method: str, *args, **kwargs):
         """Any method of the engine, run in the child (arguments and result pickled)."""
-        out, self.tokens_generated, self._version, self._unfinished = self._call(
-            "call", method, args, kwargs)
+        out, self.tokens_generated, self._version = self._call("call", method, args, kwargs)
         return out
 
     def __getattr__(self, name: str):
@@ -313,7 +306,7 @@ def _child_main(conn, init: dict) -> None:
                 continue
             elif cmd == "call":
                 out = (getattr(engine, args[0])(*args[1], **args[2]), engine.tokens_generated,
-                       engine.version, engine.has_unfinished())
+                       engine.version)
             else:
                 raise ValueError(f"unknown engine-process command {cmd!r}")
             conn.send(("ok", out))
