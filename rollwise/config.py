@@ -242,8 +242,8 @@ class GenerateConfig(Section):
     strategy: GenerateStrategyName = "group"
     """How trajectories are proposed: group (i.i.d. samples per prompt), latr or echo (tree
     rollouts), episode (multi-turn agent episodes), trace (episodes with TRACE's turn-prefix
-    allocation), cod (Connect-the-Dots pack plays), or 'package.module:factory' called as factory(cfg, tokenizer)
-    (rollwise.stages.generate)."""
+    allocation), cod (Connect-the-Dots pack plays), or 'package.module:factory' called as
+    factory(cfg, tokenizer) (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -501,7 +501,9 @@ class TrainConfig(Section):
     advantage: TrainAdvantageName = "grpo"
     """Advantage estimator (rollwise.training.advantages): grpo, dr_grpo, rloo, reinforce_pp,
     reinforce_pp_baseline, mc_grpo, gdpo, cod (Connect-the-Dots: rewards-to-go in sample meta,
-    per-slot baselines, RED), or 'package.module:function'."""
+    per-slot baselines, RED), trace (TRACE: each reward less its anchor's mean), trace_tree
+    (TRACE with per-turn credit: each turn's value after less its baseline before, from the
+    whole tree), or 'package.module:function'."""
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
     advantage_clip: float | None = Field(None, gt=0)

@@ -22,7 +22,8 @@ BUILTIN: dict[str, dict[str, str]] = {
     "advantage": {n: "rollwise.training.advantages:" + f for n, f in (
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
-        ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"), ("trace", "trace"))},
+        ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"), ("trace", "trace"),
+        ("trace_tree", "trace_tree"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
     "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
                       "echo": "rollwise.training.confidence:echo_shaping"},

@@ -62,10 +62,12 @@ def test_every_named_choice_updates_and_stays_finite(tiny, groups, advantage, lo
         for i, g in enumerate(gs):
             for s in g.samples:
                 s.meta.update(cod_key=(g.prompt_id, "solve", i), cod_return=s.reward)
-    if advantage == "trace":  # siblings by the prefix they continue (TRACE's generator's)
+    if advantage in ("trace", "trace_tree"):  # siblings by the prefix they continue
         for g in gs:
-            for s in g.samples:
+            for j, s in enumerate(g.samples):
                 s.meta["trace_anchor"] = f"{g.prompt_id}@0"
+                if advantage == "trace_tree" and j == 0:  # a root cut after its first token
+                    s.meta["trace_cuts"] = [[1, f"{g.prompt_id}/{j}@1"]]
     metrics = Trainer(m, cfg, pad_id=tok.pad_token_id).update(gs)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert all(v == v for v in metrics.values())  # no NaN metric

@@ -19,7 +19,9 @@ terminal rewards.
    root's actions, so environments must be deterministic in the actions they are given.
 4. Siblings: every sample carries meta['trace_anchor']; train.advantage=trace takes each
    reward minus the mean over its anchor's samples (roots and the prompt's continuations
-   share the prompt's anchor). The predictor learns from every outcome.
+   share the prompt's anchor). A root also carries meta['trace_cuts'], its cuts' response
+   offsets and anchor keys, from which train.advantage=trace_tree credits each of its turns
+   apart (rollwise.agents.trace.tree_advantages). The predictor learns from every outcome.
 
 The round's ledger counts anchors, continuations by depth and mixed sibling sets
 (decisions/trace/...).
@@ -91,6 +93,8 @@ class TraceGenerator(EpisodeGenerator):
             if e.pieces or "env_error" in e.sample.meta:
                 continue
             errors = 0
+            e.sample.meta["trace_cuts"] = [[tokens, f"{e.sample.uid}@{depth}"]
+                                           for depth, (tokens, _, _) in enumerate(e.cuts, 1)]
             for depth, (tokens, n_messages, info) in enumerate(e.cuts, start=1):
                 errors += str(e.messages[n_messages - 1]["content"]).startswith("error")
                 out.append(dict(key=f"{e.sample.uid}@{depth}", depth=depth, root=e,

@@ -85,11 +85,12 @@ def cod_arm(base: list[str], init: str, seed: int) -> dict:
             "by_position": [last[f"eval/pass1/pos{i}"] for i in range(8)]}
 
 
-def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: str) -> dict:
+def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: str,
+              advantage: str = "trace") -> dict:
     rows = run(config, base + [
         f"run.init={init}", f"run.seed={seed}", f"run.name=trace-{allocation}-seed{seed}",
         "generate.strategy=trace", f"generate.trace.allocation={allocation}",
-        "train.advantage=trace", f"train.steps={TRACE_STEPS}", "run.eval_every=1"])
+        f"train.advantage={advantage}", f"train.steps={TRACE_STEPS}", "run.eval_every=1"])
     steps = [r for r in rows if "tokens/generated" in r]
     tokens = sum(r["tokens/generated"] for r in steps)
     mixed = sum(r.get("decisions/trace/siblings/mixed", 0) for r in steps)
@@ -102,9 +103,11 @@ def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: st
             "final": curve[-1][1], "curve": [p for _, p in curve]}
 
 
-def trace_arms(config: str, base: list[str], init: str, seed: int) -> dict:
-    """TRACE's allocation and root-only's from one warm start, and their mixed-set ratio."""
-    arms = {a: trace_arm(config, base, init, seed, a) for a in ("trace", "root")}
+def trace_arms(config: str, base: list[str], init: str, seed: int,
+               advantage: str = "trace") -> dict:
+    """TRACE's allocation and root-only's from one warm start, both trained with `advantage`,
+    and their mixed-set ratio."""
+    arms = {a: trace_arm(config, base, init, seed, a, advantage) for a in ("trace", "root")}
     arms["ratio"] = ratio(arms["trace"]["mixed_per_1k_tokens"],
                           arms["root"]["mixed_per_1k_tokens"])
     return arms
@@ -131,6 +134,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--trace-config", default=CHAIN, help="the TRACE arms' task")
+    p.add_argument("--trace-advantage", default="trace", choices=("trace", "trace_tree"),
+                   help="both TRACE arms' estimator: trace (sibling baselines per sample) or "
+                        "trace_tree (per-turn credit from the whole tree)")
     p.add_argument("--root", default="runs/bench-agents")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
@@ -149,7 +155,8 @@ def main(argv: list[str]) -> int:
             log(f"seed {seed}: cod slope {cod[-1]['slope']:.3f} (shuffled "
                 f"{cod[-1]['shuffled_slope']:.3f})")
         if "trace" in inits:
-            trace.append(trace_arms(args.trace_config, base, inits["trace"], seed))
+            trace.append(trace_arms(args.trace_config, base, inits["trace"], seed,
+                                    args.trace_advantage))
             log(f"seed {seed}: trace mixed ratio {trace[-1]['ratio']:.2f}")
     out = {
         "tool_success_delta": median([t["delta"] for t in tool]),
@@ -162,7 +169,8 @@ def main(argv: list[str]) -> int:
                               for k in TARGETS} for a in ("trace", "root")},
         "trace_mean_pass1": {a: median([t[a]["mean_pass1"] for t in trace])
                              for a in ("trace", "root")},
-        "trace_config": args.trace_config, "seeds": args.seeds,
+        "trace_config": args.trace_config, "trace_advantage": args.trace_advantage,
+        "seeds": args.seeds,
         "runs": {"tool": tool, "cod": cod, "trace": trace},
     }
     if args.json:

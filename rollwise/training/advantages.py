@@ -3,14 +3,18 @@ name (`train.advantage`) through rollwise.registry.
 
     fn(AdvantageInputs) -> AdvantageOutput(advantages (N,), keep (N,) bool)
 
-`keep` is False for a sample that must leave the loss (MC-GRPO's median pivot). A second,
+`keep` is False for a sample that must leave the loss (MC-GRPO's median pivot). An estimator
+that credits a sample's turns apart (TRACE's tree) also returns `segments`: sample index ->
+[(first response token, advantage), ...], each holding until the next. A second,
 token-level hook (`train.token_shaping`) rescales the broadcast advantages per token; ECHO's
 entropy-confidence scaling plugs in there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
 import torch
 
 from rollwise import registry
@@ -32,6 +36,9 @@ class AdvantageOutput:
     advantages: torch.Tensor  # (N,)
     keep: torch.Tensor  # (N,) bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # sample index -> [(first response token, advantage), ...] in order: per-turn credit that
+    # replaces the sample's advantage from each start on (the first start is 0)
+    segments: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def get_advantage(name: str):
@@ -135,6 +142,24 @@ def trace(x: AdvantageInputs) -> AdvantageOutput:
                              dtype=torch.float))
 
 
+def trace_tree(x: AdvantageInputs) -> AdvantageOutput:
+    """TRACE with per-turn credit from the whole tree (rollwise.agents.trace.tree_advantages):
+    a root episode's turn k gets the value of the prefix after it less the value of the prefix
+    before it, each estimated from every episode that passed through; a continuation gets its
+    reward less its anchor's value. With no continuations below a root it equals `trace`."""
+    from rollwise.agents.trace import TreeRecord, tree_advantages
+    if len(x.meta) != len(x.rewards) or any("trace_anchor" not in m for m in x.meta):
+        raise ValueError("train.advantage = 'trace_tree' needs every sample's "
+                         "meta['trace_anchor'] (and a root's meta['trace_cuts']), as "
+                         "generate.strategy=trace writes them")
+    records = [TreeRecord(m["trace_anchor"], r, [(int(o), k) for o, k in m.get("trace_cuts", ())])
+               for m, r in zip(x.meta, x.rewards.tolist())]
+    segs = tree_advantages(records)
+    out = _out(torch.tensor([s[-1][1] for s in segs], dtype=torch.float))
+    out.segments = {i: s for i, s in enumerate(segs) if len(s) > 1}
+    return out
+
+
 def reinforce_pp(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOutput:
     """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): no critic, no group baseline;
     the outcome reward (minus the KL penalty when kl_mode='reward') is whitened over the
@@ -207,9 +232,13 @@ def compute_advantages(name: str, x: AdvantageInputs,
     adv = out.advantages
     if not torch.isfinite(adv).all():
         raise FloatingPointError(f"train.advantage = {name!r} produced non-finite advantages")
+    if any(not math.isfinite(a) for seg in out.segments.values() for _, a in seg):
+        raise FloatingPointError(f"train.advantage = {name!r} produced non-finite advantages")
     if clip is not None:
         out.metrics["clipped"] = float((adv.abs() > clip).sum())
         adv = adv.clamp(-clip, clip)
+        out.segments = {i: [(t, max(-clip, min(clip, a))) for t, a in seg]
+                        for i, seg in out.segments.items()}
     kept = adv[out.keep]
     out.advantages = adv
     out.metrics.update(

@@ -315,8 +315,9 @@ class Trainer:
         rewards = self.rewards(samples)
         kl_reward = self.ref_model is not None and cfg.kl_mode == "reward"
         adv = None if kl_reward else self._advantages(groups, rewards)
+        scalar = adv is not None and not adv.segments  # per-turn credit: a row's scalar may be 0
         prox, ent, first_pass = self._old_logprobs(
-            batch, self._first_rows(first_mb, None if adv is None else adv.advantages), m)
+            batch, self._first_rows(first_mb, adv.advantages if scalar else None), m)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None
         version_logp, known = self._version_logprobs(batch, prox)
@@ -341,7 +342,7 @@ class Trainer:
             weights = weights * sample_w[:, None]
             m["sample_weight_max"] = float(sample_w.max())
         clip = self._policy_stats(batch, m)
-        token_adv = self.shaping(batch.advantages[:, None].expand_as(mask).clone(), batch)
+        token_adv = self.shaping(turn_credit(batch, adv.segments), batch)
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
         return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm,
@@ -568,6 +569,17 @@ def _gather_sums(total: float, counted: float, acc: dict[str, float]):
         for k, v in a.items():
             out[k] = _combine(k, out.get(k), v)
     return sum(p[0] for p in parts), sum(p[1] for p in parts), out
+
+
+def turn_credit(batch: Batch, segments: dict[int, list[tuple[int, float]]]) -> torch.Tensor:
+    """(B, T-1) per-token advantages: each sample's scalar, replaced from each segment's first
+    response token on by that segment's advantage (AdvantageOutput.segments)."""
+    out = batch.advantages[:, None].expand_as(batch.loss_mask).clone()
+    for row, segs in segments.items():
+        first = int(batch.prompt_lens[row]) - 1  # the column that predicts response token 0
+        for (start, a), (end, _) in zip(segs, [*segs[1:], (out.shape[1], 0.0)]):
+            out[row, first + start:first + end] = a
+    return out
 
 
 def chosen_positions(samples: list[Sample], shape) -> torch.Tensor:
