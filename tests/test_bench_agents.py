@@ -36,6 +36,10 @@ def test_bench_agents_reports_its_keys(tmp_path, monkeypatch, capsys):
     assert out["trace_mixed_ratio"] == agents.ratio(trace["trace"]["mixed_per_1k_tokens"],
                                                     trace["root"]["mixed_per_1k_tokens"]) \
         or (math.isnan(out["trace_mixed_ratio"]) and trace["root"]["mixed_sets"] == 0)
+    for target, counts in out["trace_earlier"].items():  # one seed: exactly one of the three
+        a, b = (trace[arm]["steps_to"][target] for arm in ("trace", "root"))
+        a, b = (math.inf if n is None else n for n in (a, b))
+        assert counts == {"fewer": int(a < b), "same": int(a == b), "more": int(a > b)}
     assert "| seed |" in agents.markdown(out)
     # --arms runs some of the arms: the others' keys are nan
     assert agents.main(["--seeds", "0", "--json", "--arms", "trace", "--root", str(tmp_path),

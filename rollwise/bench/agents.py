@@ -16,7 +16,9 @@
 
 --arms runs some of them (the keys of the others are nan). Top-level keys (medians over
 seeds): tool_success_delta, cod_position_slope, cod_shuffled_slope, trace_mixed_ratio (TRACE's
-mixed sets per sampled token over root-only's).
+mixed sets per sampled token over root-only's); trace_earlier counts, per target, the seeds
+where TRACE got there in fewer, the same or more steps. --trace-advantage picks both TRACE
+arms' estimator (trace: one advantage per sample; trace_tree: per turn, from the tree).
 """
 
 from __future__ import annotations
@@ -118,6 +120,17 @@ def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, p in curve if p >= target), None)
 
 
+def earlier(trace: list[dict], target: str) -> dict[str, int]:
+    """Seeds where TRACE reached the target in fewer steps than root-only, in as many, or in
+    more (a target never reached counts as later than any step)."""
+    def at(arm: dict) -> float:
+        n = arm["steps_to"][target]
+        return math.inf if n is None else n
+    pairs = [(at(t["trace"]), at(t["root"])) for t in trace]
+    return {"fewer": sum(a < b for a, b in pairs), "same": sum(a == b for a, b in pairs),
+            "more": sum(a > b for a, b in pairs)}
+
+
 def ratio(a: float, b: float) -> float:
     """a / b; with b = 0, inf when a > 0 and nan when both are 0 (nothing to compare)."""
     return a / b if b else (math.inf if a else math.nan)
@@ -169,6 +182,7 @@ def main(argv: list[str]) -> int:
                               for k in TARGETS} for a in ("trace", "root")},
         "trace_mean_pass1": {a: median([t[a]["mean_pass1"] for t in trace])
                              for a in ("trace", "root")},
+        "trace_earlier": {str(k): earlier(trace, str(k)) for k in TARGETS},
         "trace_config": args.trace_config, "trace_advantage": args.trace_advantage,
         "seeds": args.seeds,
         "runs": {"tool": tool, "cod": cod, "trace": trace},
