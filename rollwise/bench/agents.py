@@ -7,10 +7,11 @@
 - cod: configs/packs.yaml (Connect-the-Dots). After RL, the slope of solve success on the
   task's position in an eval pack (8 tasks), with the pack's own hints and with hints shuffled
   across packs.
-- trace: configs/chain.yaml (two-hop products: the decision to learn sits after the first
-  call, the multi-hop shape TRACE is for; --trace-config picks another) with
-  generate.strategy=trace: TRACE's allocation at the sampled tokens root-only allocation would
-  spend (generate.trace.budget=tokens), against that budget spent on the prompts only
+- trace: configs/chain3.yaml (three-hop products in groups of 4: the decisions to learn sit
+  after the first and second calls, the multi-hop shape TRACE is for, and i.i.d. groups are
+  often all-fail; --trace-config picks another task) with generate.strategy=trace: TRACE's
+  allocation at the sampled tokens root-only allocation would spend
+  (generate.trace.budget=tokens), against that budget spent on the prompts only
   (generate.trace.allocation=root, i.i.d. groups). Mixed-reward sibling sets per sampled token
   over the run; held-out pass@1 after every step, and the steps to each of TARGETS.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 DEFAULTS = ["run.log=quiet", "run.report=false", "run.tensorboard=false"]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CALC, PACKS = str(CONFIGS / "calc.yaml"), str(CONFIGS / "packs.yaml")
-CHAIN = str(CONFIGS / "chain.yaml")
+CHAIN3 = str(CONFIGS / "chain3.yaml")
 TOOL_STEPS, COD_STEPS, TRACE_STEPS = 30, 40, 20
 TARGETS = (0.7, 0.75, 0.8)  # held-out pass@1 levels the TRACE arms are timed to
 ARMS = ("tool", "cod", "trace")
@@ -146,8 +147,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    p.add_argument("--trace-config", default=CHAIN, help="the TRACE arms' task")
-    p.add_argument("--trace-advantage", default="trace", choices=("trace", "trace_tree"),
+    p.add_argument("--trace-config", default=CHAIN3, help="the TRACE arms' task")
+    p.add_argument("--trace-advantage", default="trace_tree", choices=("trace", "trace_tree"),
                    help="both TRACE arms' estimator: trace (sibling baselines per sample) or "
                         "trace_tree (per-turn credit from the whole tree)")
     p.add_argument("--root", default="runs/bench-agents")
