@@ -34,9 +34,9 @@ from train_helpers import capture_grads, clone, make_groups
 GROUP_LOCAL = ["grpo", "dr_grpo", "rloo", "mc_grpo"]  # a group's advantages depend on it alone
 BATCH_LEVEL = ["reinforce_pp", "reinforce_pp_baseline", "gdpo"]  # whitened over the batch
 # baselines keyed by sample meta (CoD: pack, episode type, index, RED over the batch; TRACE:
-# the prefix continued): groups of
-# repeats, not prompt groups (tests/test_agent_credit.py checks it on hand examples)
-META_KEYED = ["cod", "trace"]
+# the prefix continued, or the tree's node values): groups of repeats, not prompt groups
+# (tests/test_agent_credit.py and tests/test_agent_trace_tree.py check them on hand examples)
+META_KEYED = ["cod", "trace", "trace_tree"]
 
 
 def test_every_registered_estimator_is_classified_here():
