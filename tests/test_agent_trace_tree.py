@@ -70,10 +70,9 @@ def test_each_branching_nodes_sibling_credit_sums_to_zero(seed):
     for node, credit in at.items():
         if len(credit) > 1:  # its own baseline: the credit of its branches is centred
             assert sum(credit) == pytest.approx(0.0, abs=1e-9), node
-            first = [a for r, s in zip(records, segs) if r.anchor == node and not r.cuts
-                     for _, a in s]
-            for a, r in zip(first, [r for r in records if r.anchor == node and not r.cuts]):
-                assert a == pytest.approx(r.reward - naive_value(records, node))
+    for r, s in zip(records, segs):  # a leaf of a branching node: its reward less the node's
+        if not r.cuts and len(at[r.anchor]) > 1:
+            assert s == [(0, pytest.approx(r.reward - naive_value(records, r.anchor)))]
     for r, s in zip(records, segs):  # a root's credit telescopes when every node branches
         path = [r.anchor] + [k for _, k in r.cuts]
         if r.cuts and all(len(at[n]) > 1 for n in path):

@@ -92,12 +92,13 @@ class TraceGenerator(EpisodeGenerator):
             e.sample.meta["trace_anchor"] = f"{e.group.problem.id}@0"
             if e.pieces or "env_error" in e.sample.meta:
                 continue
-            errors = 0
-            e.sample.meta["trace_cuts"] = [[tokens, f"{e.sample.uid}@{depth}"]
-                                           for depth, (tokens, _, _) in enumerate(e.cuts, 1)]
+            errors, cuts = 0, []
+            e.sample.meta["trace_cuts"] = cuts
             for depth, (tokens, n_messages, info) in enumerate(e.cuts, start=1):
                 errors += str(e.messages[n_messages - 1]["content"]).startswith("error")
-                out.append(dict(key=f"{e.sample.uid}@{depth}", depth=depth, root=e,
+                key = f"{e.sample.uid}@{depth}"
+                cuts.append([tokens, key])  # for train.advantage=trace_tree
+                out.append(dict(key=key, depth=depth, root=e,
                                 tokens=tokens, messages=n_messages,
                                 cost=sum(e.sample.loss_mask[tokens:]),
                                 x=features(depth, self.max_turns, info, errors)))

@@ -89,7 +89,7 @@ def cod_arm(base: list[str], init: str, seed: int) -> dict:
 
 
 def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: str,
-              advantage: str = "trace") -> dict:
+              advantage: str) -> dict:
     rows = run(config, base + [
         f"run.init={init}", f"run.seed={seed}", f"run.name=trace-{allocation}-seed{seed}",
         "generate.strategy=trace", f"generate.trace.allocation={allocation}",
@@ -106,8 +106,7 @@ def trace_arm(config: str, base: list[str], init: str, seed: int, allocation: st
             "final": curve[-1][1], "curve": [p for _, p in curve]}
 
 
-def trace_arms(config: str, base: list[str], init: str, seed: int,
-               advantage: str = "trace") -> dict:
+def trace_arms(config: str, base: list[str], init: str, seed: int, advantage: str) -> dict:
     """TRACE's allocation and root-only's from one warm start, both trained with `advantage`,
     and their mixed-set ratio."""
     arms = {a: trace_arm(config, base, init, seed, a, advantage) for a in ("trace", "root")}

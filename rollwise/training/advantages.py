@@ -230,9 +230,8 @@ def compute_advantages(name: str, x: AdvantageInputs,
     """Run the named estimator, optionally cap |A| at `clip`, and add summary metrics."""
     out = get_advantage(name)(x)
     adv = out.advantages
-    if not torch.isfinite(adv).all():
-        raise FloatingPointError(f"train.advantage = {name!r} produced non-finite advantages")
-    if any(not math.isfinite(a) for seg in out.segments.values() for _, a in seg):
+    if not torch.isfinite(adv).all() or any(
+            not math.isfinite(a) for seg in out.segments.values() for _, a in seg):
         raise FloatingPointError(f"train.advantage = {name!r} produced non-finite advantages")
     if clip is not None:
         out.metrics["clipped"] = float((adv.abs() > clip).sum())
