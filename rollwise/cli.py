@@ -3,6 +3,7 @@
     rollwise train [--config FILE] [section.key=value ...]
     rollwise train --resume RUN [section.key=value ...]
     rollwise rollouts RUN [--step A:B] [--status S] [--export FILE|DIR]
+    rollwise models get NAME | models list
     rollwise sft | eval | generate | config show | bench NAME
     rollwise report RUN [RUN ...] [--out FILE]
 """
@@ -129,6 +130,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    from rollwise.models import fetch
+    if args.action == "list":
+        for name, entry in fetch.CATALOG.items():
+            where = fetch.cached(name)
+            print(f"{name:24s} {entry.about}\n{'':24s} {where or 'not fetched: rollwise models get ' + name}")
+        return 0
+    if not args.names:
+        raise ConfigError("rollwise models get NAME [NAME ...]: name a model of "
+                          "'rollwise models list'")
+    for name in args.names:
+        try:
+            fetch.get(name, force=args.force)
+        except fetch.FetchError as e:
+            raise ConfigError(str(e)) from None
+    return 0
+
+
 def cmd_config(args) -> int:
     if args.action != "show":
         raise ConfigError(f"unknown config action {args.action!r}; use 'rollwise config show'")
@@ -185,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("models", help="'models get NAME': fetch and convert a pretrained "
+                                      "model with no hub; 'models list': the catalog")
+    p.add_argument("action", choices=["get", "list"])
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--force", action="store_true", help="fetch and convert again")
+    p.set_defaults(fn=cmd_models)
     p = sub.add_parser("config", help="'config show' prints the resolved config")
     p.add_argument("action", choices=["show"])
     _config_args(p)

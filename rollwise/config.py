@@ -61,7 +61,14 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     name: str = "arith"
     """'arith' (built-in tiers), 'calc' (multi-turn, with a calculator: configs/calc.yaml),
-    'gym:<reasoning-gym dataset>', or 'file' (JSONL/Parquet)."""
+    'gym:<reasoning-gym dataset>', 'gym' (a weighted mix of the datasets in task.gym), or
+    'file' (JSONL/Parquet)."""
+    gym: dict[str, dict[str, Any] | None] = {}
+    """reasoning-gym datasets and their generator settings (the fields of each dataset's
+    config class) with an optional weight, e.g. {chain_sum: {weight: 2, max_terms: 3},
+    products: {max_digits: 1}}: task.name=gym mixes them in proportion to their weights;
+    task.name=gym:<dataset> takes its settings from here. Checked against reasoning-gym when
+    the task loads, before any work (rollwise.tasks.gym)."""
     tiers: dict[str, float] = {"add2": 0.35, "sub2": 0.35, "add3": 0.15, "chain": 0.15}
     """Built-in tiers and their share of the train mix (see rollwise.tasks.arith.TIERS)."""
     train_size: int = Field(20000, gt=0)
@@ -81,6 +88,13 @@ class TaskConfig(Section):
     forgotten (one rule to relearn), or the sum off by one wherever a column adds one of
     `wrong_facts` digit pairs drawn from task.seed (many facts, each relearned alone)."""
     wrong_facts: int = Field(30, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _check_gym(self):
+        if self.gym and not (self.name == "gym" or self.name.startswith("gym:")):
+            raise ValueError(f"task.gym sets reasoning-gym datasets, but task.name = "
+                             f"{self.name}: set task.name=gym (a mix) or gym:<dataset>")
+        return self
 
     @model_validator(mode="after")
     def _check_filler_tail(self):
@@ -786,7 +800,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         parts, value = parse_override(text)
         node = data
         for p in parts[:-1]:
-            node = node.setdefault(p, {})
+            if node.get(p) is None:  # a YAML key with no value (`chain_sum:`) is an empty one
+                node[p] = {}
+            node = node[p]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: '{p}' is not a section")
         node[parts[-1]] = value

@@ -93,3 +93,26 @@ def test_normalised_votes_differ():
     assert normalize("12") != normalize("21")
     assert normalize("07") != normalize("7")  # a leading zero: a digit string (reversed digits)
     assert normalize(None) is None and normalize("  ") is None
+
+
+@pytest.mark.parametrize("gold, answer, ok", [
+    ("2756", "52 * 53", False), ("2756", "52 * 53 is the result of 52 * 53.", False),
+    ("-23", "46 - 69 = 46 - 69.", False), ("71", "44 + 27", False),
+    ("2756", "52 * 53 = 2756", True), ("2756", "The product is 2756.", True),
+    ("-23", "46 - 69 = -23", True), ("71", "\\boxed{71}", True), ("1/2", "\\frac{2}{4}", True),
+    ("18", "18 dollars", True), ("18", "17 + 1", False),
+])
+def test_a_numeric_reference_needs_a_stated_number_not_an_expression(gold, answer, ok):
+    """math-verify evaluates expressions, so a response that restates the problem would score
+    as right: against a plain-number reference only a stated value counts."""
+    assert math_equal(gold, answer) is ok
+
+
+def test_numeric_literal_reads_the_stated_value():
+    from rollwise.stages.filter.extract import numeric_literal
+    assert numeric_literal("44 + 27 = 71") == "71"
+    assert numeric_literal("The result of 81 + -78 is 118.") == "118"
+    assert numeric_literal("10\\text{ cm}") == "10" and numeric_literal("90^\\circ") == "90"
+    assert numeric_literal("-\\frac{2}{4}") == "-2/4" and numeric_literal("1,000") == "1,000"
+    for expression in ("52 * 53", "16. 6 * 15 =", "3 + x", "", None):
+        assert numeric_literal(expression) is None

@@ -29,6 +29,12 @@ def test_batch_arithmetic_gives_prompts_times_group_per_generation():
                     "steps_per_generation": 2, "gradient_accumulation_steps": 1}
     with pytest.raises(ValueError, match="train.minibatches = 3"):
         trl_batch_args(load_config(None, ["train.minibatches=3"]))
+    micro = trl_batch_args(load_config(None, ["train.micro_batch_size=32"]))
+    assert micro == {"num_generations": 8, "per_device_train_batch_size": 32,
+                     "steps_per_generation": 16, "gradient_accumulation_steps": 8}
+    with pytest.raises(ValueError, match="micro-batch of 48"):
+        trl_batch_args(load_config(None, ["train.micro_batch_size=48"]))
+    assert trl_batch_args(load_config(None, []), micro_batch=32) == micro
 
 
 def test_trl_derives_the_same_generation_batch():
@@ -36,11 +42,15 @@ def test_trl_derives_the_same_generation_batch():
     from trl import GRPOConfig
     cfg = load_config(None, ["control.prompts_per_step=12", "generate.group_size=4",
                              "train.minibatches=3"])
-    args = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none",
-                      activation_checkpointing=False,
-                      **trl_batch_args(cfg))
-    assert args.generation_batch_size == 12 * 4  # completions per generation batch
-    assert args.generation_batch_size // args.num_generations == 12  # prompts
+    for micro in (0, 8):
+        cfg.train.micro_batch_size = micro
+        args = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False,
+                          report_to="none", activation_checkpointing=False,
+                          **trl_batch_args(cfg))
+        assert args.generation_batch_size == 12 * 4  # completions per generation batch
+        assert args.generation_batch_size // args.num_generations == 12  # prompts
+        # optimizer steps per generation batch: train.minibatches
+        assert args.steps_per_generation // args.gradient_accumulation_steps == 3
 
 
 def test_trl_reward_is_rollwise_exact_answer():
@@ -51,8 +61,7 @@ def test_trl_reward_is_rollwise_exact_answer():
     problems = task.train[:20]
     # right (least-significant digit first), written the wrong way round, and junk
     texts = [p.solution for p in problems] + [p.answer for p in problems] + ["x"] * 20
-    answers = [p.answer for p in problems] * 3
-    got = reward(texts, answers)
+    got = reward(texts, problem_id=[p.id for p in problems] * 3)
     samples = [Sample(prompt_id=p.id, prompt_ids=[1]) for p in problems * 3]
     build_filter(cfg.filter, task).score(samples, problems * 3, texts)
     assert got == [s.reward for s in samples]
@@ -178,3 +187,27 @@ def test_recorder_keys_trl_logs_by_rollwise_step_and_excludes_eval_time(tmp_path
     assert rows[2]["tokens/generated"] == rows[2]["tokens/trained"] == 5.0 * 4 * 2
     assert [r["train_seconds"] for r in rows] == [0.0, 4.0, 8.0]  # evals (10 s each) excluded
     assert rows[2]["perf/step_seconds"] == 4.0
+
+
+def test_trl_sees_the_prompt_ids_rollwise_generates_from(tmp_path):
+    """TRL renders a conversational prompt with apply_chat_template(add_generation_prompt);
+    the messages rollwise hands it (system prompt and template applied) give exactly the ids
+    rollwise's engine is fed, and plain prompts the plain text."""
+    from chat_model import build_chat_model
+    from rollwise.bench.e2e_trl import trl_prompts
+    from rollwise.config import TaskConfig
+    from rollwise.tasks.prompts import Prompter
+    tok = models.load_tokenizer(build_chat_model(tmp_path / "chat"))
+    cfg = TaskConfig(name="gym:chain_sum", train_size=6, eval_size=2, system_prompt="Be brief.",
+                     prompt_template="{prompt} Put the final answer in \\boxed{}.")
+    task = load_task(cfg)
+    prompter = Prompter.for_task(cfg, tok, task)
+    data = trl_prompts(task, prompter)
+    assert data["problem_id"] == [p.id for p in task.train]
+    for messages, p in zip(data["prompt"], task.train):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+        assert list(ids) == prompter.ids(p) and messages[0]["content"] == "Be brief."
+    plain = Prompter(TaskConfig(chat_template="off"), tok)
+    for text, p in zip(trl_prompts(task, plain)["prompt"], task.train):
+        assert tok(text)["input_ids"] == plain.encode(p.prompt)

@@ -88,3 +88,40 @@ def test_auto_is_plain_off_a_terminal_and_bad_mode_names_the_field():
 def test_duration_format():
     assert P.fmt_duration(59.6) == "1m00s"
     assert P.fmt_duration(3 * 3600 + 125) == "3h02m"
+
+
+def _wait_for(predicate, seconds=5.0):
+    import time
+    end = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_long_phase_is_never_silent_in_plain_mode(clock):
+    """A phase longer than heartbeat_s prints its elapsed time and note, once per period;
+    a short one prints nothing."""
+    out, tokens = io.StringIO(), {"n": 0}
+    p = P.Progress("plain", total=3, stream=out, heartbeat_s=0.05)
+    p.phase("generate", note=lambda: f"{tokens['n']:,} tokens")
+    assert not _wait_for(lambda: "..." in out.getvalue(), 0.3)  # 0 s elapsed: quiet
+    tokens["n"] = 1234
+    clock(20)
+    assert _wait_for(lambda: "  ... generate 20s  1,234 tokens" in out.getvalue())
+    p.step(1, STEP)
+    clock(20)  # between phases nothing is running: nothing to say
+    import time
+    time.sleep(0.2)
+    p.close()
+    assert out.getvalue().count("...") == 1
+
+
+def test_phase_text_shows_elapsed_time_and_a_note_that_may_fail(clock):
+    p = P.Progress("quiet", total=3)
+    assert p.phase_text() == ""
+    p.phase("train")
+    clock(7)
+    assert p.phase_text() == "train 7s"
+    p.phase("eval", note=lambda: 1 / 0)  # a broken note leaves the phase and time
+    clock(3)
+    assert p.phase_text() == "eval 3s"

@@ -1,9 +1,10 @@
 import json
 import random
+import re
 
 import pytest
 
-from rollwise.config import TaskConfig
+from rollwise.config import ConfigError, TaskConfig
 from rollwise.tasks import load_task
 from rollwise.tasks.arith import noisy_answer
 
@@ -75,6 +76,82 @@ def test_reasoning_gym_adapter_scores_with_the_dataset():
     task = load_task(TaskConfig(name="gym:basic_arithmetic", train_size=4, eval_size=2))
     p = task.train[0]
     assert task.score_fn(p.answer, p) == 1.0 and task.score_fn("nonsense", p) == 0.0
+
+
+def _operands(prompt: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", prompt)]
+
+
+def test_gym_settings_reach_the_generator():
+    """chain_sum's digit and term settings shape every problem, train and held-out alike."""
+    def task(**settings):
+        return load_task(TaskConfig(name="gym:chain_sum", gym={"chain_sum": settings},
+                                    train_size=300, eval_size=50))
+    small, large = task(min_digits=1, max_digits=1), task(min_digits=3, max_digits=3)
+    for p in small.train + small.eval:
+        assert all(n < 10 for n in _operands(p.prompt)) and p.tier == "chain_sum"
+    for p in large.train + large.eval:
+        assert all(100 <= n < 1000 for n in _operands(p.prompt))
+    four = task(min_terms=4, max_terms=4)
+    assert all(len(_operands(p.prompt)) == 4 for p in four.train)
+    for p in small.eval[:20]:  # the answers are the sums the prompts ask for
+        expr = p.prompt.split(":", 1)[1].rstrip("= ")
+        assert int(p.answer) == eval(expr)
+
+
+def test_gym_held_out_prompts_are_distinct_and_never_trained():
+    task = load_task(TaskConfig(name="gym:chain_sum", train_size=2000, eval_size=200,
+                                gym={"chain_sum": {"max_digits": 1, "max_terms": 3}}))
+    held = [p.prompt for p in task.eval]
+    assert len(set(held)) == 200 and not set(held) & {p.prompt for p in task.train}
+    with pytest.raises(ConfigError, match="too few distinct problems"):  # 10 x 10 x 2 signs
+        load_task(TaskConfig(name="gym:chain_sum", eval_size=300, train_size=10,
+                             gym={"chain_sum": {"max_digits": 1, "max_terms": 2}}))
+
+
+def test_a_gym_mix_draws_in_its_weights():
+    """n draws of a 3 : 1 mix hold 3/4 chain_sum within 4 binomial standard deviations, and
+    pass@1 is reported per dataset (each problem's tier)."""
+    n = 3000
+    task = load_task(TaskConfig(name="gym", train_size=n, eval_size=40,
+                                gym={"chain_sum": {"weight": 3}, "products": {}}))
+    share = sum(p.tier == "chain_sum" for p in task.train) / n
+    assert abs(share - 0.75) < 4 * (0.75 * 0.25 / n) ** 0.5
+    assert {p.tier for p in task.train} == {"chain_sum", "products"}
+    swapped = load_task(TaskConfig(name="gym", train_size=n, eval_size=40,
+                                   gym={"chain_sum": {}, "products": {"weight": 3}}))
+    share = sum(p.tier == "products" for p in swapped.train) / n
+    assert abs(share - 0.75) < 4 * (0.75 * 0.25 / n) ** 0.5
+    for p in task.train[:50]:  # each problem keeps its own dataset's answer
+        if p.tier == "products":
+            a, b = _operands(p.prompt)[:2]
+            assert int(p.answer) == a * b
+
+
+@pytest.mark.parametrize("name, gym, expected", [
+    ("gym:chain_sum", {"chain_sum": {"max_termz": 3}}, "Did you mean 'max_terms'"),
+    ("gym:chain_sun", {}, "no dataset 'chain_sun'. Did you mean chain_sum"),
+    ("gym:chain_sum", {"chain_sum": {"min_terms": 4, "max_terms": 2}}, "max_terms must be"),
+    ("gym", {"products": {"weight": 0}}, "products.weight = 0: give a number > 0"),
+    ("gym", {}, "task.gym, which is empty"),
+    ("gym:chain_sum", {"products": {}}, "also has products: set task.name=gym"),
+])
+def test_a_wrong_gym_setting_is_a_clear_config_error(name, gym, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_task(TaskConfig(name=name, gym=gym))
+
+
+def test_gym_settings_on_another_task_are_refused():
+    with pytest.raises(ValueError, match="task.gym sets reasoning-gym datasets"):
+        TaskConfig(name="arith", gym={"chain_sum": {}})
+
+
+def test_a_wrong_gym_setting_stops_the_cli_before_any_work(tmp_path, capsys):
+    from rollwise.cli import main
+    code = main(["train", f"run.root={tmp_path}", "task.name=gym:chain_sum",
+                 "task.gym.chain_sum.max_digitz=2"])
+    assert code == 2 and "max_digitz: not a setting" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no run directory, no warm start
 
 
 def test_filler_tail_mixes_a_long_thinking_mode_into_the_worked_solutions():

@@ -59,7 +59,11 @@ def summarize(framework: str, seed: int, rows: list[dict], target: float) -> dic
 
 
 def warm_model(cfg: Config, log) -> Path:
-    """Train (or reuse) the cached warm start; its folder is the shared initial model."""
+    """The shared initial model's folder: model.path (a pretrained model), or the cached warm
+    start of the tiny model, trained first when it is not cached."""
+    from rollwise import models
+    if cfg.model.path:
+        return Path(models.resolve_path(cfg.model.path))
     from rollwise.tasks import load_task
     from rollwise.training.sft import cache_path, warm_start
     warm_start(cfg, load_task(cfg.task), log=log)
@@ -73,20 +77,23 @@ def run_rollwise(cfg: Config, target: float) -> dict:
     return summarize("rollwise", cfg.run.seed, rollwise_clock(rows), target)
 
 
-def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
+def run_trl(cfg: Config, warm: Path, target: float, log, micro_batch: int | None = None
+            ) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from rollwise import models
     from rollwise.bench.e2e_trl import run_trl as trl_train
     from rollwise.engine import Engine
     from rollwise.evaluate import evaluate
-    from rollwise.stages.filter import make_scorer
+    from rollwise.stages.filter import eval_scorer
     from rollwise.tasks import load_task
     from rollwise.tasks.prompts import Prompter
     task = load_task(cfg.task)
     tok = models.load_tokenizer(warm)
-    scorer = make_scorer("exact", task)
-    prompter = Prompter.for_task(cfg.task, tok, task)
+    scorer = eval_scorer(cfg.filter, task)  # what the rollwise run's evaluation uses
+    generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(warm)))
+    prompter = Prompter(cfg.task, tok, plain_task=bool(getattr(task, "plain_prompts", False)),
+                        model_config=generation)  # as Prompter.for_task, from the folder
 
     def eval_fn(model):  # the same held-out greedy pass@1 as rollwise's loop
         # A fresh copy: accelerate wraps the instance's forward in a closure over the
@@ -103,7 +110,8 @@ def run_trl(cfg: Config, warm: Path, target: float, log) -> dict:
     if cfg.run.threads:  # the same torch threads as rollwise's Run uses
         torch.set_num_threads(cfg.run.threads)
     try:
-        result = trl_train(cfg, task, warm, out_dir, eval_fn, log=log)
+        result = trl_train(cfg, task, warm, out_dir, eval_fn, prompter, log=log,
+                           micro_batch=micro_batch)
     finally:
         torch.set_num_threads(threads)
     return summarize("trl", cfg.run.seed, result["rows"], target)
@@ -140,7 +148,24 @@ def table(results: list[dict], target: float) -> str:
         lines.append(f"\nrollwise / TRL (medians): time to target {ratio}, time per step "
                      f"{a['seconds_per_step'] / b['seconds_per_step']:.2f}x, final pass@1 "
                      f"{a['pass1_final']:.3f} vs {b['pass1_final']:.3f}")
+        d = paired_final_diff(results)
+        if d is not None:
+            lines.append(f"final pass@1, rollwise - TRL, paired by seed: {d['mean']:+.3f} ± "
+                         f"{d['se']:.3f} (mean ± standard error over {d['seeds']} seeds; "
+                         f"{', '.join(f'{x:+.3f}' for x in d['diffs'])})")
     return "\n".join(lines)
+
+
+def paired_final_diff(results: list[dict]) -> dict | None:
+    """rollwise's final pass@1 less TRL's, seed by seed: the differences, their mean and
+    standard error (None without a seed run by both)."""
+    final = {(r["framework"], r["seed"]): r["pass1_final"] for r in results}
+    diffs = [final[("rollwise", s)] - final[("trl", s)] for fw, s in final
+             if fw == "rollwise" and ("trl", s) in final]
+    if not diffs:
+        return None
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return {"diffs": diffs, "mean": statistics.fmean(diffs), "se": se, "seeds": len(diffs)}
 
 
 def levels_table(results: list[dict], levels: list[float]) -> str:
@@ -181,6 +206,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warm-seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for both (1 suits a shared 2-core machine)")
+    p.add_argument("--trl-micro-batch", type=int, default=None,
+                   help="completions per TRL forward/backward (gradients accumulate to the "
+                        "same update; bounds TRL's memory on a real model's vocabulary); "
+                        "default train.micro_batch_size")
     p.add_argument("--config")
     p.add_argument("--root", default="runs/bench-e2e")
     p.add_argument("--json", action="store_true")
@@ -202,7 +231,7 @@ def main(argv: list[str]) -> int:
         log(f"rollwise seed {seed}: {brief(results[-1])}")
         if args.vs == "trl":
             cfg = load_config(args.config, [*common, f"run.name=trl-seed{seed}"])
-            results.append(run_trl(cfg, warm, args.target, log))
+            results.append(run_trl(cfg, warm, args.target, log, args.trl_micro_batch))
             log(f"trl seed {seed}: {brief(results[-1])}")
     log(f"benchmark wall time {time.time() - t0:.0f}s")
     dirs = [Path(args.root) / f"{r['framework']}-seed{r['seed']}" for r in results]
@@ -213,7 +242,8 @@ def main(argv: list[str]) -> int:
         out = {"target": args.target, "steps": args.steps, "seeds": args.seeds,
                "results": [{k: finite(v) for k, v in r.items()} for r in results],
                "medians": {fw: {k: finite(v) for k, v in m.items()}
-                           for fw, m in medians(results).items()}}
+                           for fw, m in medians(results).items()},
+               "paired_final_pass1_diff": paired_final_diff(results)}
         print(json.dumps(out, indent=2))  # "not reached" is null
     else:
         print(table(results, args.target))

@@ -1,15 +1,19 @@
 """TRL's GRPOTrainer set up to match a rollwise config, for `rollwise bench e2e --vs trl`.
 
-Matched: the warm-start model and character tokenizer, the train prompts, the reward (the
-task's exact answer, through rollwise's own scorer), group size, prompts per step, optimizer
+Matched: the initial model and its tokenizer (the warm start and character tokenizer, or a
+pretrained chat model), the train prompts (as the same chat messages, which TRL renders with the
+same chat template and generation prompt, or the same plain text), the reward (rollwise's own
+scorer for the config's ground-truth verifier: exact, math, ...), group size, prompts per step,
+optimizer
 steps per generation batch (rollwise's train.minibatches), AdamW and its learning-rate
 schedule, gradient clipping, clip range, GRPO advantages (group std scaling) and
 sequence-mean-token-mean loss ("grpo"), temperature, max new tokens, no KL (beta=0).
 Held-out pass@1 is measured by rollwise's evaluate() on a copy of TRL's model.
 
 TRL counts optimizer steps; one rollwise step (one generation batch) is
-`train.minibatches` of them: per_device_train_batch_size = prompts * group / minibatches,
-steps_per_generation = minibatches, gradient_accumulation_steps = 1.
+`train.minibatches` of them, each accumulated over micro-batches of train.micro_batch_size
+completions: per_device_train_batch_size = micro, gradient_accumulation_steps = prompts * group
+/ minibatches / micro, steps_per_generation = prompts * group / micro (TRL's micro-steps).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from rollwise.tasks import Problem
 from rollwise.training.trainer import lr_factor
 
 
-def trl_batch_args(cfg: Config) -> dict:
+def trl_batch_args(cfg: Config, micro_batch: int | None = None) -> dict:
     """GRPOConfig batch arithmetic giving rollwise's prompts x group per generation batch
-    and train.minibatches optimizer steps on it."""
+    and train.minibatches optimizer steps on it, each accumulated over micro-batches of
+    `micro_batch` completions (None: train.micro_batch_size; 0: one per optimizer step).
+    Accumulation leaves the update as it is: it only bounds TRL's memory."""
     completions = cfg.control.prompts_per_step * cfg.generate.group_size
     mb = cfg.train.minibatches
     if cfg.train.minibatch_groups is not None:
@@ -38,8 +44,14 @@ def trl_batch_args(cfg: Config) -> dict:
     if completions % mb:
         raise ValueError(f"prompts_per_step * group_size = {completions} must divide by "
                          f"train.minibatches = {mb} to map onto TRL's batches")
-    return {"num_generations": cfg.generate.group_size, "per_device_train_batch_size":
-            completions // mb, "steps_per_generation": mb, "gradient_accumulation_steps": 1}
+    per_step = completions // mb
+    micro = (cfg.train.micro_batch_size if micro_batch is None else micro_batch) or per_step
+    if per_step % micro:
+        raise ValueError(f"a micro-batch of {micro} must divide the {per_step} "
+                         "completions of an optimizer step to map onto TRL's accumulation")
+    return {"num_generations": cfg.generate.group_size, "per_device_train_batch_size": micro,
+            "steps_per_generation": completions // micro,
+            "gradient_accumulation_steps": per_step // micro}
 
 
 def no_checkpointing(config_cls) -> dict:
@@ -53,10 +65,29 @@ def no_checkpointing(config_cls) -> dict:
 
 
 def make_reward(task, scorer):
-    """TRL reward function: rollwise's scorer on each decoded completion (1.0 if exact)."""
-    def exact_answer(completions: list[str], answer: list[str], **_) -> list[float]:
-        return [float(scorer(c, Problem("", "", a))[0]) for c, a in zip(completions, answer)]
-    return exact_answer
+    """TRL reward function: rollwise's scorer on each decoded completion, against the problem
+    it answers (found by the dataset's problem_id column); a scorer failure scores 0."""
+    by_id = {p.id: p for p in task.train}
+
+    def verified_answer(completions: list, problem_id: list[str], **_) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [_score(scorer, t, by_id[pid]) for t, pid in zip(texts, problem_id)]
+    return verified_answer
+
+
+def _score(scorer, text: str, problem: Problem) -> float:
+    try:
+        return float(scorer(text, problem)[0])
+    except Exception:  # a scorer failure scores 0, as an unscorable sample in evaluation
+        return 0.0
+
+
+def trl_prompts(task, prompter) -> dict[str, list]:
+    """The dataset TRL trains on: each train problem's prompt as rollwise renders it (chat
+    messages, system prompt and template applied; or the plain text) and its id."""
+    render = prompter.messages if prompter.chat else prompter.render_text
+    return {"prompt": [render(p.prompt) for p in task.train],
+            "problem_id": [p.id for p in task.train]}
 
 
 def rollwise_optimizer(model, cfg: Config, opt_steps_per_rl_step: int):
@@ -69,7 +100,8 @@ def rollwise_optimizer(model, cfg: Config, opt_steps_per_rl_step: int):
     return opt, sched
 
 
-def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print) -> dict:
+def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, prompter,
+            log=print, micro_batch: int | None = None) -> dict:
     """Train with TRL for cfg.train.steps rollwise-sized steps; eval_fn(model) -> metrics
     every cfg.run.eval_every steps (its time excluded). Writes metrics.jsonl rows in
     rollwise's format, so `rollwise report` can overlay the two frameworks."""
@@ -78,13 +110,12 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollwise.stages.filter import make_scorer
-    batch = trl_batch_args(cfg)
-    mb = batch["steps_per_generation"]
+    from rollwise.stages.filter import eval_scorer
+    batch = trl_batch_args(cfg, micro_batch)
+    mb = cfg.train.minibatches  # optimizer steps per generation batch
     model = AutoModelForCausalLM.from_pretrained(str(warm_dir), dtype=torch.float32)
     tok = PreTrainedTokenizerFast.from_pretrained(str(warm_dir))
-    data = Dataset.from_dict({"prompt": [p.prompt for p in task.train],
-                              "answer": [p.answer for p in task.train]})
+    data = Dataset.from_dict(trl_prompts(task, prompter))
     args = GRPOConfig(
         output_dir=str(out_dir / "trl"), use_cpu=True, bf16=False, use_vllm=False,
         seed=cfg.run.seed, max_steps=cfg.train.steps * mb, **batch,
@@ -96,7 +127,7 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, log=print
         scale_rewards="group", mask_truncated_completions=False, **no_checkpointing(GRPOConfig),
         remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
-    reward = make_reward(task, make_scorer("exact", task))
+    reward = make_reward(task, eval_scorer(cfg.filter, task))
     recorder = _Recorder(cfg, mb, eval_fn, out_dir / "metrics.jsonl", log)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=tok, optimizers=rollwise_optimizer(model, cfg, mb),

@@ -25,6 +25,7 @@ position on per pass instead of rebuilding it from the scheduler's sequences.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -350,6 +351,13 @@ def _decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> to
     return mask.masked_fill_(past, float("-inf"))[:, None, None, :]
 
 
+def cache_kwarg(model) -> str:
+    """The forward argument that takes a KV cache: `cache` in newer transformers (where
+    `past_key_values` is deprecated and warns on every call), `past_key_values` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class Runner:
     """Runs the model for a StepPlan; owns the slot cache. The model's parameters are the live
     weights: nothing is copied out of them."""
@@ -366,6 +374,7 @@ class Runner:
                              f"needs a causal LM (AutoModelForCausalLM)")
         self._head = head  # hooked only for passes that want hidden states: engines made on a
         # shared model (copy_model=False) must leave no hook behind
+        self._cache_kwarg = cache_kwarg(model)
 
     def _capture_hidden(self, module, args):
         self._hidden = args[0]
@@ -458,7 +467,7 @@ class Runner:
         _ACTIVE.layout = layout
         out = self.model(input_ids=ids, position_ids=layout.positions[None],
                          attention_mask=self._placeholder(ids.device),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+                         use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: self.cache})
         return out.logits[0]
 
     def _placeholder(self, device: torch.device) -> torch.Tensor:

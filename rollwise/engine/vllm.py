@@ -9,7 +9,8 @@ log-probability is under the distribution actually sampled from. Where it differ
 built-in engine:
 
 - entropy comes from the returned log-probabilities: exact with `entropy_logprobs=-1` (the whole
-  vocabulary, the default), a top-k estimate otherwise;
+  vocabulary, the default), the top-k part of the sum otherwise (a lower bound; the training
+  loop asks for the top 20 where the vocabulary is large: rollwise.engine.backends);
 - fork and resume submit a new request with prompt + tokens so far; vLLM's prefix cache reuses
   the shared K/V (full blocks), as it does for an agent's next turn; each request's first event
   says how many prompt tokens it reused (`Event.cached_tokens`, vLLM's num_cached_tokens).

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rollwise import models
-from rollwise.config import Config, dump_config
+from rollwise.config import Config, ConfigError, dump_config
 from rollwise.devices import resolve_device
 from rollwise.engine.backends import build_engine
 from rollwise.evaluate import EPISODIC, evaluate
@@ -93,8 +93,15 @@ def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None =
 
 def preflight(cfg: Config, inputs: Inputs):
     """Checks that need more than the config, made before any work (no warm start, no run
-    directory touched): the device exists; a required chat template is there. The device."""
+    directory touched): the device exists; the model folder (or catalog model) is there; a
+    required chat template is there. The device."""
     device = resolve_device(cfg.run.device)
+    for key, path in (("model.path", cfg.model.path), ("run.init", cfg.run.init)):
+        if path and inputs.model is None:
+            try:
+                models.resolve_path(path)
+            except FileNotFoundError as e:
+                raise ConfigError(f"{key}: {e}") from None
     if cfg.task.chat_template == "on":
         tok = inputs.tokenizer
         path = cfg.run.init or cfg.model.path
@@ -201,7 +208,7 @@ class Run:
                        replay=self.replay.metrics(replayed, want, version))
         kept, want = [], want - len(replayed)
         for n in self.control.rounds(want, kept):                              # Control
-            self.progress.phase("generate")
+            self.progress.phase("generate", self.tokens_note())
             groups = generate_round(self.engine, self.generator, self.control,  # Generate
                                     self.params, n, step, ledger, self.prompter)
             self.progress.phase("score")
@@ -246,7 +253,7 @@ class Run:
         extra = self.control.extra(groups)
         if not any(extra):
             return
-        self.progress.phase("generate")
+        self.progress.phase("generate", self.tokens_note())
         added = extend_groups(self.engine, groups, extra, self.params, ledger)
         ledger.decide("control", "extend", self.cfg.control.group_size, sum(extra))
         self.progress.phase("score")
@@ -272,6 +279,11 @@ class Run:
         self.totals["tokens_generated"] += sum(s.num_tokens for s in samples)
         self.totals["tokens_trained"] += int(r.train.get("train/tokens", 0))
         self.totals["tokens_decoded"] = self.totals.get("tokens_decoded", 0) + r.decoded
+
+    def tokens_note(self):
+        """A progress note: the tokens the engine has generated since this call."""
+        start = self.engine.tokens_generated
+        return lambda: f"{self.engine.tokens_generated - start:,} tokens"
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -353,6 +365,7 @@ def _train(cfg: Config, progress: Progress | None, resume: bool,
                  f"parameters, {cfg.train.steps} steps of {cfg.control.prompts_per_step} prompts "
                  f"x {cfg.generate.group_size})")
     if found is None:
+        progress.phase("eval", run.tokens_note())
         start = last_eval = run.evaluate()
         progress.log("held-out pass@1 at start: " + _fmt(start))
         progress.step(0, start)
@@ -377,7 +390,7 @@ def _train(cfg: Config, progress: Progress | None, resume: bool,
         for r in steps:
             step, m = r.step, step_metrics(r)
             if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
-                progress.phase("eval")
+                progress.phase("eval", run.tokens_note())
                 t_eval = time.time()
                 with idle():
                     last_eval = run.evaluate()

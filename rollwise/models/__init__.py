@@ -1,8 +1,13 @@
 """Tokenizer and model factory: a character tokenizer and a tiny Hugging Face causal LM built
-from a config, and load/save of any local Hugging Face causal-LM folder (safetensors)."""
+from a config, and load/save of any Hugging Face causal LM: a local folder (safetensors), a
+model of rollwise's catalog fetched with `rollwise models get` (rollwise.models.fetch), or a
+hub id resolved by transformers."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -12,6 +17,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizer
 from transformers.utils import logging as hf_logging
 
 from rollwise.config import ModelConfig
+from rollwise.models import fetch
 
 hf_logging.disable_progress_bar()  # no per-save/load bars in the run's progress display
 
@@ -43,16 +49,55 @@ def tiny_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int):
     return model.to(DTYPES[cfg.dtype])
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_path(path: str | Path) -> str:
+    """Where a model comes from: a local Hugging Face folder; a catalog name fetched by
+    `rollwise models get` (its cached folder); or a hub id (`org/name`), which transformers
+    resolves through its cache and, unless HF_HUB_OFFLINE=1, the hub. A FileNotFoundError
+    that says which of them failed and what to do otherwise."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no "
+                                    "config.json)")
+        return str(local)
+    name = str(path)
+    if name in fetch.CATALOG:
+        found = fetch.cached(name)
+        if found is None:
+            raise FileNotFoundError(f"model {name!r} is not fetched yet: run 'rollwise models "
+                                    f"get {name}' (it caches under {fetch.cache_root()})")
+        return str(found)
+    if _HUB_ID.match(name) and not local.exists():
+        return name
+    raise FileNotFoundError(f"{path}: no such model folder, not a model of 'rollwise models "
+                            f"list', and not a hub id (org/name)")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return _from_pretrained(PreTrainedTokenizerFast, resolve_path(path))
 
 
 def load_model(path: str | Path, dtype: str = "float32"):
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
-    return model, load_tokenizer(path)
+    where = resolve_path(path)
+    model = _from_pretrained(AutoModelForCausalLM, where, dtype=DTYPES[dtype])
+    return model, load_tokenizer(where)
+
+
+def _from_pretrained(cls, where: str, **kwargs):
+    try:
+        return cls.from_pretrained(where, **kwargs)
+    except OSError as e:
+        if Path(where).is_dir():
+            raise
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+        hint = ("HF_HUB_OFFLINE is set, so only the local cache is read: fetch it once "
+                "online, or give a local folder" if offline else
+                "check the id and the network, or give a local folder")
+        raise FileNotFoundError(f"{where}: the Hugging Face hub could not provide it ({hint}; "
+                                f"{type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
 def build(cfg: ModelConfig, seed: int = 0):
@@ -69,7 +114,6 @@ def save(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> 
     state_dict: other values for the model's tensors (e.g. cast to an engine's dtype)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    import shutil
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)

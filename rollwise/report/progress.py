@@ -7,6 +7,11 @@ phase calls also time the phases: `take_phase_seconds()` hands the loop each pha
 since the last call, as perf/phase/<name>_seconds metrics.
 
     progress = Progress("plain", total=60)   # or "rich", "quiet", "auto"
+
+A phase may carry a note, a callable read while it runs ("1,234 tokens"): the rich display
+shows it with the phase's elapsed time, and in plain mode a phase that lasts longer than
+`heartbeat_s` prints a line every heartbeat_s, so a long generation, update or evaluation is
+never silent.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 KEYS = [("reward", "reward/mean", "{:.3f}"), ("pass@1", "eval/pass1", "{:.3f}"),
         ("tok/s", "perf/gen_tokens_per_s", "{:.0f}"),
@@ -35,7 +41,8 @@ def info_line(metrics: dict[str, float]) -> str:
 
 
 class Progress:
-    def __init__(self, mode: str = "auto", total: int = 0, stream=None):
+    def __init__(self, mode: str = "auto", total: int = 0, stream=None,
+                 heartbeat_s: float = 15.0):
         if mode not in MODES:
             raise ValueError(f"run.log = {mode!r}: choose one of {', '.join(MODES)}")
         self.stream = stream or sys.stdout
@@ -50,8 +57,14 @@ class Progress:
         self._t_first: float | None = None  # time of the first step() call: the ETA's origin
         self._step_first = 0
         self._bar = None
+        self._note: Callable[[], str] | None = None
+        self._lock = threading.Lock()  # the heartbeat thread prints between phase changes
+        self._stopped = threading.Event()
         if mode == "rich" and total > 0:
             self._start_bar()
+        if mode == "plain" and heartbeat_s > 0:
+            threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True,
+                             name="rollwise-progress").start()
 
     def _start_bar(self) -> None:
         """Two lines that fit 80 columns: the bar with phase and ETA, then the metrics."""
@@ -66,12 +79,17 @@ class Progress:
             def __rich__(self):
                 return Text(self.text, style="dim")
         self._info = Info()
+        progress = self
+
+        class Phase:  # the phase, its elapsed seconds and note, re-read at each refresh
+            def __rich__(self):
+                return Text(progress.phase_text())
         self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"),
-                                 BarColumn(bar_width=30), TextColumn("{task.fields[phase]:<8}"),
-                                 TextColumn("eta {task.fields[eta]}"))
-        self._task = self._bar.add_task("train", total=self.total, phase="", eta="?")
-        self._live = Live(Group(self._bar, self._info), console=Console(file=self.stream),
-                          refresh_per_second=4, transient=False)
+                                 BarColumn(bar_width=30), TextColumn("eta {task.fields[eta]}"))
+        self._task = self._bar.add_task("train", total=self.total, eta="?")
+        self._live = Live(Group(self._bar, Phase(), self._info),
+                          console=Console(file=self.stream), refresh_per_second=4,
+                          transient=False)
         self._live.start()
 
     def log(self, msg: str) -> None:
@@ -91,19 +109,45 @@ class Progress:
                 self._phase_seconds.get(self.current_phase, 0.0) + dt
         self._phase_t0 = now
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str, note: Callable[[], str] | None = None) -> None:
         """The loop enters phase `name`; the previous phase's time is booked. Only the main
-        thread's phases are booked: the asynchronous loop's producer generates alongside."""
+        thread's phases are booked: the asynchronous loop's producer generates alongside.
+        note(): a few words on the phase's progress, read while it runs."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self._close_phase(time.time())
-        self.current_phase = name
-        if self._bar is not None:
-            self._bar.update(self._task, phase=name)
+        with self._lock:
+            self._close_phase(time.time())
+            self.current_phase, self._note = name, note
+
+    def phase_text(self) -> str:
+        """'generate 12s  1,234 tokens': the phase, its elapsed time and its note."""
+        with self._lock:
+            name, note, t0 = self.current_phase, self._note, self._phase_t0
+        if not name:
+            return ""
+        try:
+            extra = note() if note is not None else ""
+        except Exception:  # a note is decoration: never let it break the display
+            extra = ""
+        return f"{name} {time.time() - t0:.0f}s" + (f"  {extra}" if extra else "")
+
+    def _heartbeat(self, every: float) -> None:
+        """Plain mode: a line every `every` seconds while one phase lasts."""
+        last = None
+        while not self._stopped.wait(min(1.0, every)):
+            with self._lock:
+                key, elapsed = (self.current_phase, self._phase_t0), time.time() - self._phase_t0
+            if not key[0] or elapsed < every:
+                continue
+            due = int(elapsed // every)
+            if last != (key, due):
+                last = (key, due)
+                print(f"  ... {self.phase_text()}", file=self.stream, flush=True)
 
     def take_phase_seconds(self) -> dict[str, float]:
         """Seconds spent in each phase since the last call, as perf/phase/<name>_seconds."""
-        self._close_phase(time.time())
+        with self._lock:
+            self._close_phase(time.time())
         out = {f"perf/phase/{k}_seconds": v for k, v in self._phase_seconds.items()}
         self._phase_seconds = {}
         return out
@@ -122,18 +166,20 @@ class Progress:
         if self._t_first is None:
             self._t_first, self._step_first = time.time(), step
         self.last.update(metrics)
-        self._close_phase(time.time())
-        self.current_phase = ""
+        with self._lock:
+            self._close_phase(time.time())
+            self.current_phase, self._note = "", None
         eta = self.eta_seconds(step)
         eta_text = "?" if eta is None else fmt_duration(eta)
         if self._bar is not None:
             self._info.text = info_line(self.last)
-            self._bar.update(self._task, completed=step, eta=eta_text, phase="")
+            self._bar.update(self._task, completed=step, eta=eta_text)
         elif self.mode == "plain":
             print(f"step {step}/{self.total}  {info_line(self.last)}  eta {eta_text}",
                   file=self.stream, flush=True)
 
     def close(self) -> None:
+        self._stopped.set()
         if self._bar is not None:
             self._live.stop()
             self._bar = None

@@ -3,7 +3,7 @@
 A task gives `train` and `eval` lists of Problem and `extract_answer(response_text)`, the
 string the verifier compares with the problem's answer. Built in: `arith` (tiers of growing
 difficulty), `calc` (multi-turn episodes with a calculator), `packs` (Connect-the-Dots packs),
-`gym:<name>` (reasoning-gym),
+`gym:<name>` and `gym` (reasoning-gym, one dataset or a weighted mix),
 `file` (JSONL/Parquet rows of prompt and answer).
 """
 
@@ -71,12 +71,12 @@ def load_task(cfg: TaskConfig, rows: Any = None, eval_rows: Any = None) -> Task:
     if cfg.name == "packs":
         from rollwise.tasks.packs import PacksTask
         return PacksTask(cfg)
-    if cfg.name.startswith("gym:"):
+    if cfg.name == "gym" or cfg.name.startswith("gym:"):
         from rollwise.tasks.gym import GymTask
         return GymTask(cfg)
     if cfg.name == "file":
         from rollwise.tasks.files import FileTask
         return FileTask(cfg)
     raise ValueError(f"task.name = {cfg.name!r}: use 'arith', 'calc' (multi-turn, with a "
-                     "calculator), 'packs' (Connect-the-Dots), 'gym:<reasoning-gym dataset>' "
-                     "or 'file'")
+                     "calculator), 'packs' (Connect-the-Dots), 'gym:<reasoning-gym dataset>', "
+                     "'gym' (the mix in task.gym) or 'file'")

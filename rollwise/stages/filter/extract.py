@@ -88,6 +88,38 @@ def make_extractor(strategies: list[str], task) -> Callable[[str], str | None]:
     return chain(list(strategies) or ["task"], task)
 
 
+_NUM = r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+−]?\.\d+"
+_LITERAL = re.compile(rf"(?P<v>(?:{_NUM})(?:\s*/\s*(?:{_NUM}))?)(?:\s*[A-Za-z%°][A-Za-z%°\s]*)?")
+_FRAC = re.compile(rf"(?P<s>[-+−]?)\\[dt]?frac\{{(?P<p>{_NUM})\}}\{{(?P<q>{_NUM})\}}")
+_STATES = re.compile(r"=|\b(?:is|equals)\b", re.IGNORECASE)  # what follows states a value
+_DECORATION = re.compile(r"\\text\{[^}]*\}|\\mathrm\{[^}]*\}|\^\{?\\circ\}?|\\%|\\[,!;]|"
+                         r"\$|\\\(|\\\)")
+
+
+def is_number(text: str) -> bool:
+    """The text is a plain number: an integer, decimal or a/b fraction (a numeric reference)."""
+    return _as_fraction(text.strip().replace(",", "")) is not None
+
+
+def numeric_literal(answer: str | None) -> str | None:
+    """The number an answer states, or None when it states no single value. An equation
+    states its right-hand side ('44 + 27 = 71' -> '71', 'The sum is 71' -> '71'); LaTeX wrappers, degree and percent
+    signs and trailing unit words go ('10\\text{ cm}', '18 dollars'); \\frac{p}{q} with
+    numbers stays a fraction. An expression ('52 * 53', '46 - 69') is not a literal: a
+    verifier that evaluates it would reward restating the problem."""
+    if answer is None:
+        return None
+    s = answer.strip()
+    boxed = last_boxed(s)
+    s = _STATES.split(boxed if boxed is not None else s)[-1]
+    s = _DECORATION.sub(" ", s).strip().rstrip(".").strip()
+    frac = _FRAC.fullmatch(s)
+    if frac:
+        return f"{frac['s']}{frac['p']}/{frac['q']}".replace("−", "-")
+    m = _LITERAL.fullmatch(s)
+    return m["v"].replace("−", "-").replace(" ", "") if m else None
+
+
 def normalize(answer: str | None) -> str | None:
     """A canonical form for voting: LaTeX wrappers, units text, spaces and thousands commas
     removed, numbers (incl. \\frac and a/b) written as reduced fractions or integers."""

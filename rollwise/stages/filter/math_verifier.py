@@ -11,6 +11,7 @@ import threading
 from functools import lru_cache
 
 from rollwise.stages.filter.base import Item, Verdict
+from rollwise.stages.filter.extract import is_number, numeric_literal
 from rollwise.tasks import Problem
 
 
@@ -25,7 +26,10 @@ _WARM = Problem("warm", "", "\\frac{1}{2}")
 
 class MathVerifier:
     """1 when the extracted answer is mathematically equal to the reference (fractions,
-    LaTeX, units, intervals, sets, equations, percentages), else 0."""
+    LaTeX, units, intervals, sets, equations, percentages), else 0. Where the reference is a
+    plain number, the answer must state a number (extract.numeric_literal): math-verify would
+    evaluate an expression, so restating the problem ('52 * 53 is the result of 52 * 53')
+    would score as its answer, and RL learns to do exactly that."""
 
     name = "math"
     isolated = True
@@ -50,8 +54,14 @@ class MathVerifier:
             return Verdict({self.name: 0.0}, "no answer found")
         from math_verify import verify
         t = self._timeout()
+        answer = it.answer
+        if is_number(it.problem.answer):  # a numeric reference is matched by a stated value
+            answer = numeric_literal(it.answer)
+            if answer is None:
+                return Verdict({self.name: 0.0}, f"answer={it.answer!r} (states no number; "
+                               "an expression is not evaluated)")
         gold = _parse(_latex(it.problem.answer), t)
-        pred = _parse(_latex(it.answer), t)
+        pred = _parse(_latex(answer), t)
         if not pred:
             return Verdict({self.name: 0.0}, f"answer={it.answer!r} (not parseable)")
         ok = verify(gold, pred, timeout_seconds=t)

