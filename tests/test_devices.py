@@ -88,3 +88,49 @@ def test_a_sleeping_vllm_engine_wakes_its_weights_before_the_update(tmp_path):
     engine._live = {1: object()}
     with pytest.raises(RuntimeError, match="still running"):
         engine.sleep()  # never sleep under a running request
+
+
+GIB = 2**30
+
+
+def test_vllm_kv_cache_is_sized_within_what_the_trainer_leaves(tiny, monkeypatch):
+    """Beside the trainer on CPU, vLLM gets a KV budget: what a step's sequences can use,
+    within half of the memory left once the trainer and the engine's weights are counted;
+    an explicit budget that does not fit, or holds no full-length sequence, is refused."""
+    from rollwise.engine import backends
+    model, _ = tiny
+    n = sum(p.numel() for p in model.parameters())
+    per = backends.kv_bytes_per_token(model.config, torch.float32)
+    monkeypatch.setattr(backends, "memory_available", lambda device: 10 * GIB)
+    left = 10 * GIB - 16 * n - 2 * 4 * n
+    cfg = load_config(None, ["control.prompts_per_step=4", "generate.group_size=2",
+                             "generate.max_new_tokens=32"])
+    assert backends.vllm_kv_budget_bytes(cfg, model) == 4 * 2 * (32 + 1024) * per  # the need
+    big = load_config(None, ["control.prompts_per_step=4096", "generate.group_size=64"])
+    assert backends.vllm_kv_budget_bytes(big, model) == left // 2  # capped by the memory
+    kwargs = backends.vllm_kwargs(cfg, model)
+    assert kwargs["kv_cache_memory_bytes"] == 4 * 2 * (32 + 1024) * per
+    assert "kv_cache_memory_bytes" not in backends.vllm_kwargs(cfg, model, colocated=False)
+    with pytest.raises(ValueError, match=r"12\.0 GiB KV cache does not fit: 10\.0 GiB"):
+        backends.vllm_kv_budget_bytes(load_config(None, [f"engine.kv_budget_bytes={12 * GIB}"]),
+                                      model)
+    with pytest.raises(ValueError, match="less than one sequence of the model's 64 positions"):
+        backends.vllm_kv_budget_bytes(load_config(None, [f"engine.kv_budget_bytes={per}"]),
+                                      model)
+    tokens = load_config(None, ["engine.kv_budget_tokens=1000"])
+    assert backends.vllm_kv_budget_bytes(tokens, model) == 1000 * per
+    assert "kv_cache_memory_bytes" not in backends.vllm_kwargs(tokens, model)
+
+
+def test_a_bad_vllm_kv_budget_stops_before_the_model_is_saved(tiny, tmp_path):
+    model, tok = tiny
+    cfg = load_config(None, ["engine.backend=vllm", f"engine.kv_budget_bytes={10**15}"])
+    with pytest.raises(ValueError, match="does not fit"):
+        build_engine(cfg, model, tok, tmp_path)
+    assert not (tmp_path / "engine-model").exists()
+
+
+def test_vllm_returns_the_whole_vocabulary_only_when_it_is_small():
+    from rollwise.engine.backends import entropy_logprobs
+    assert entropy_logprobs(53) == -1  # exact entropy, as the built-in engine's
+    assert entropy_logprobs(49152) == 20  # a real vocabulary: the top 20 and the sampled one

@@ -1,8 +1,13 @@
-"""End to end against TRL: the same warm-start model, task, group size, prompts per step,
-learning rate and step budget, trained by rollwise and by TRL's GRPOTrainer (CPU, no vLLM),
-one process at a time, for several seeds.
+"""End to end against TRL: the same initial model, task, reward, group size, prompts per step,
+learning-rate schedule and step budget, trained by rollwise and by TRL's GRPOTrainer (CPU, no
+vLLM), one process at a time, for several seeds.
 
     rollwise bench e2e --vs trl --seeds 0 1 2 --steps 30 --target 0.80 [key=value ...]
+    rollwise bench e2e --vs trl --config configs/smollm2.yaml --steps 20 --threads 2 \
+        --trl-micro-batch 16 --target 0.5 run.eval_every=5      # SmolLM2-135M-Instruct
+
+The initial model is the config's model.path (a pretrained model) or the tiny model's warm
+start. Final pass@1 is also compared seed by seed (rollwise less TRL: mean and standard error).
 
 Reports, as medians over the seeds: training wall time to reach a held-out greedy pass@1
 target (evaluation time excluded for both; "not reached" counts as infinite), seconds per

@@ -101,11 +101,12 @@ def vllm(cfg, model, tokenizer, run_dir):
     from rollwise.engine.vllm import VLLMEngine
     if run_dir is None:
         raise ValueError("engine.backend=vllm needs a run directory to save the model to")
+    kwargs = vllm_kwargs(cfg, model)  # checks the settings (the KV budget) before any work
     path = Path(run_dir) / "engine-model"
     dtype = engine_dtype(cfg, model)
     copy = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     models.save(model, tokenizer, path, copy)
-    return VLLMEngine(path, **vllm_kwargs(cfg, model))
+    return VLLMEngine(path, **kwargs)
 
 
 GIB = 2**30

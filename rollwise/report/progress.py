@@ -42,7 +42,7 @@ def info_line(metrics: dict[str, float]) -> str:
 
 class Progress:
     def __init__(self, mode: str = "auto", total: int = 0, stream=None,
-                 heartbeat_s: float = 15.0):
+                 heartbeat_s: float = 10.0):
         if mode not in MODES:
             raise ValueError(f"run.log = {mode!r}: choose one of {', '.join(MODES)}")
         self.stream = stream or sys.stdout
