@@ -134,8 +134,8 @@ def cmd_models(args) -> int:
     from rollwise.models import fetch
     if args.action == "list":
         for name, entry in fetch.CATALOG.items():
-            where = fetch.cached(name)
-            print(f"{name:24s} {entry.about}\n{'':24s} {where or 'not fetched: rollwise models get ' + name}")
+            where = fetch.cached(name) or f"not fetched: rollwise models get {name}"
+            print(f"{name:24s} {entry.about}\n{'':24s} {where}")
         return 0
     if not args.names:
         raise ConfigError("rollwise models get NAME [NAME ...]: name a model of "

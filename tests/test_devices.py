@@ -101,7 +101,7 @@ def test_vllm_kv_cache_is_sized_within_what_the_trainer_leaves(tiny, monkeypatch
     model, _ = tiny
     n = sum(p.numel() for p in model.parameters())
     per = backends.kv_bytes_per_token(model.config, torch.float32)
-    monkeypatch.setattr(backends, "memory_available", lambda device: 10 * GIB)
+    monkeypatch.setattr(backends, "memory_available", lambda: 10 * GIB)
     left = 10 * GIB - 16 * n - 2 * 4 * n
     cfg = load_config(None, ["control.prompts_per_step=4", "generate.group_size=2",
                              "generate.max_new_tokens=32"])

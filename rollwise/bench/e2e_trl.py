@@ -4,9 +4,8 @@ Matched: the initial model and its tokenizer (the warm start and character token
 pretrained chat model), the train prompts (as the same chat messages, which TRL renders with the
 same chat template and generation prompt, or the same plain text), the reward (rollwise's own
 scorer for the config's ground-truth verifier: exact, math, ...), group size, prompts per step,
-optimizer
-steps per generation batch (rollwise's train.minibatches), AdamW and its learning-rate
-schedule, gradient clipping, clip range, GRPO advantages (group std scaling) and
+optimizer steps per generation batch (rollwise's train.minibatches), AdamW and its
+learning-rate schedule, gradient clipping, clip range, GRPO advantages (group std scaling) and
 sequence-mean-token-mean loss ("grpo"), temperature, max new tokens, no KL (beta=0).
 Held-out pass@1 is measured by rollwise's evaluate() on a copy of TRL's model.
 

@@ -112,11 +112,9 @@ def vllm(cfg, model, tokenizer, run_dir):
 GIB = 2**30
 
 
-def memory_available(device: torch.device) -> int:
-    """Bytes still free where the engine would put its KV cache: the GPU's free memory, or
-    the operating system's MemAvailable (total memory where /proc/meminfo is absent)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+def memory_available() -> int:
+    """Bytes of this machine's memory still free: the operating system's MemAvailable (the
+    total memory where /proc/meminfo is absent)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -145,7 +143,7 @@ def vllm_kv_budget_bytes(cfg, model) -> int:
     per = kv_bytes_per_token(model.config, dtype)
     size = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * size  # vLLM's copy and its mirror
-    left = memory_available(torch.device("cpu")) - trainer_bytes(model) - 2 * weights
+    left = memory_available() - trainer_bytes(model) - 2 * weights
     one = per * model.config.max_position_embeddings
     if e.kv_budget_bytes or e.kv_budget_tokens:
         budget = e.kv_budget_bytes or e.kv_budget_tokens * per

