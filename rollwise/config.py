@@ -184,7 +184,7 @@ class EngineConfig(Section):
 
 
 class TraceConfig(Section):
-    """TRACE (generate.strategy=trace; METHODS.md §3.10, rollwise.agents.trace_rollout)."""
+    """TRACE (generate.strategy=trace; docs/methods.md#trace, rollwise.agents.trace_rollout)."""
     roots: int = Field(2, ge=1)
     """Episodes per problem played from the prompt first; the rest of the group size goes
     to the anchors the allocation picks."""
@@ -200,7 +200,7 @@ class TraceConfig(Section):
 
 
 class LatrConfig(Section):
-    """LATR (generate.strategy=latr; METHODS.md §2.7). Defaults: the paper's math setting."""
+    """LATR (generate.strategy=latr; docs/methods.md#latr). Defaults: the paper's math setting."""
     tau_abs: float = Field(0.15, ge=0, le=1)
     """Branch on the second-best token when its probability exceeds this ..."""
     tau_rel: float = Field(0.25, ge=0, le=1)
@@ -217,7 +217,7 @@ class LatrConfig(Section):
 
 
 class EchoConfig(Section):
-    """ECHO (generate.strategy=echo; METHODS.md §2.5). Defaults: the released config. The
+    """ECHO (generate.strategy=echo; docs/methods.md#echo). Defaults: the released config. The
     entropy is that of the renormalised top-`top_k` distribution (at most ln top_k nats), so a
     small top_k, or a small model with few plausible tokens per step, wants a lower
     entropy_threshold (and entropy_floor below it)."""
@@ -452,7 +452,7 @@ class ControlConfig(Section):
 
 class ReplayConfig(Section):
     enabled: bool = False
-    """Rollout replay (DOTS RR, METHODS.md §2.8): fill `share` of each batch's prompt slots
+    """Rollout replay (DOTS RR, docs/methods.md#replay): fill `share` of each batch's prompt slots
     with groups drawn from a buffer of recent ones instead of generating them. Pair it with
     train.correction.mode=tis (the decoupled clip) so stale tokens are corrected."""
     strategy: ReplayStrategyName = "buffer"
@@ -601,8 +601,8 @@ class TrainConfig(Section):
     so each weighs more as fewer groups carry a signal. 'generated': every sequence the step
     generated, the groups Filter dropped (all advantages 0) included, as TRL's GRPOTrainer and
     verl without dynamic sampling normalise over the whole generation batch (the loss shrinks as
-    groups saturate). Under AdamW both learn the same per step (BENCHMARKS.md, "Learning per
-    step against TRL")."""
+    groups saturate). Under AdamW both learn the same per step (BENCHMARKS.md, "End to
+    end against TRL, tiny model")."""
     skip_zero_advantage: bool = True
     """Run no forward or backward pass for samples whose every token has advantage 0 (all
     of a group with equal rewards, under GRPO): with ppo_clip, dual_clip or gspo, no entropy

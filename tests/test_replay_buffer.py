@@ -1,4 +1,4 @@
-"""Rollout replay (METHODS.md §2.8): buffer semantics (capacity, latest per prompt, FIFO
+"""Rollout replay (docs/methods.md#replay): buffer semantics (capacity, latest per prompt, FIFO
 eviction, only groups with a signal), the staleness limit, the configured share in a real run,
 and the curriculum hook's per-prompt statistics."""
 

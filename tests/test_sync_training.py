@@ -2,7 +2,7 @@
 on GRPO advantages) updates on groups the engine generated; after k updates one sparse payload
 brings a bf16 (or fp32) engine to the trainer's weights bit for bit, and full and sparse
 engines generate the same tokens. The share of changed bf16 weights rises with the learning
-rate (METHODS.md §2.4's CPU check)."""
+rate, as SparseRL-Sync predicts (docs/methods.md#sparse-sync)."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""Connect-the-Dots rollouts (METHODS.md §3.14; generate.strategy=cod, generate.env=<pack>):
+"""Connect-the-Dots rollouts (docs/methods.md#cod; generate.strategy=cod, generate.env=<pack>):
 each problem is a pack of K related tasks, played generate.group_size times. One play is a long
 rollout that alternates solve-task episodes, conditioned on the current hint, with
 update-context episodes that write the next hint from the last task's outcome. Every episode is

@@ -1,4 +1,4 @@
-"""TRACE's turn-level prefix allocation (METHODS.md §3.10): continuations go to the turn
+"""TRACE's turn-level prefix allocation (docs/methods.md#trace): continuations go to the turn
 prefixes (anchors: a prompt root or an episode cut after one of its turns) most likely to give
 mixed terminal rewards, judged by a predictor of success from the prefix's history, and
 advantages are computed among the sibling continuations of one prefix.

@@ -1,4 +1,4 @@
-"""TRACE rollouts (METHODS.md §3.10; generate.strategy=trace over an episode environment): a
+"""TRACE rollouts (docs/methods.md#trace; generate.strategy=trace over an episode environment): a
 problem's sampling budget (its group size in episodes) is spent first on generate.trace.roots
 episodes from the prompt, then on continuations of the turn prefixes most likely to give mixed
 terminal rewards.

@@ -12,8 +12,9 @@ A token counts when its group is trained on: APRIL's carried samples count in th
 trains them, and what is still carried at the end counts nowhere (its generation time does).
 The run fails if decoded tokens != trained + carried tokens.
 
-Also reported: trained tokens per model forward pass (decode tick), the cost model of
-METHODS.md §1, which is what a memory-bound GPU decoder pays. On a CPU a pass costs more the
+Also reported: trained tokens per model forward pass (decode tick), the cost model
+of synchronous decoding (each tick costs the batch's longest live sequence), which is what a
+memory-bound GPU decoder pays. On a CPU a pass costs more the
 more rows it has, so the wall-clock gain is smaller than the tick gain.
 """
 

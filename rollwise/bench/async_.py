@@ -49,7 +49,7 @@ def stale(eta: int) -> list[str]:
     ratio anchored at the sampling version's weights (kept as eta snapshots, so the clip
     bounds each token's move from the policy that sampled it), and VCPO's learning rate
     scaled by the batch's effective sample size: each alone leaves a gap in final pass@1,
-    the three together none at eta = 1 (BENCHMARKS, session 22)."""
+    the three together none at eta = 1 (BENCHMARKS.md)."""
     return ["train.correction.mode=tis", "train.correction.vcpo_lr=true",
             "train.correction.anchor=version", f"train.correction.snapshots={eta}",
             "run.threads=1"]

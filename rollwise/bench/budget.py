@@ -11,7 +11,7 @@ counted). Reported per method and seed: decoded tokens and seconds (generation +
 the held-out target, the final pass@1, and for ARRoL the quality head's AUC over training.
 
 Tasks (--task):
-- stepped (default): configs/stepped.yaml, the scratchpad additions of issue 22 (21-33-token
+- stepped (default): configs/stepped.yaml, scratchpad additions (21-33-token
   responses), its SFT warm start (--init, or trained here and cached), held-out greedy pass@1,
   target = the warm start's pass@1 + --gain. ARRoL scores at T_p = 16 tokens (TASKS).
 - longtail: APRIL's long-tail task, tails shortened (TASKS): most answers come after a short

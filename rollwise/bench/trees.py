@@ -13,7 +13,7 @@ generated tokens (pruned branches count), held-out greedy pass@1 every --eval-ev
   answers) with i.i.d. groups against ECHO (generate.strategy=echo with its token shaping and
   adaptive clip, its thresholds set for the tiny model: ECHO_TINY) at --ttrl-lr. Its warm start
   has the teacher right on most steps (--ttrl-noise), since TTRL needs a majority that is
-  mostly right (METHODS.md §2.5). Reported: pseudo-label accuracy
+  mostly right (docs/methods.md#echo). Reported: pseudo-label accuracy
   (filter/majority_label_acc, mean over the last quarter of steps) and final held-out pass@1,
   sampled (4 draws at T = 1), as TTRL reports it: greedy decoding already picks the majority.
 
@@ -37,7 +37,7 @@ from rollwise.bench.jobs import (BENCH_RUN, execute, first_reach, print_keys_and
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
 # ECHO's released thresholds are for a 7B model's top-10 statistics (and H >= 3.5 nats is
 # above ln 10, the most a renormalised top-10 entropy can be). These are set from the tiny
-# warm start's statistics (BENCHMARKS.md, "ECHO's thresholds on the tiny model"), not from
+# warm start's statistics (BENCHMARKS.md, "Tree rollouts: LATR and ECHO"), not from
 # the bench's outcome: H >= 0.3 marks the ~5 % of tokens where two digits are plausible, where
 # C_g sits at 6.2-6.5 and dH at 0.5-0.75; the third token there has p <= 0.03, so one
 # alternative (max_width 1); the prune rules cut below the warm start's lowest confidence

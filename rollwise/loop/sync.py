@@ -115,7 +115,7 @@ def torch_threads(cfg: Config, device) -> int:
     """The torch threads a run sets (0: keep the caller's). run.threads where given; where it
     is 0, half the cores for the asynchronous loop (max_staleness > 0) on CPU with the
     built-in engine, whose generation and training run side by side: two pools of every core
-    each spin against the other (0.13x the synchronous loop on 2 cores, BENCHMARKS). At
+    each spin against the other (0.13x the synchronous loop on 2 cores, BENCHMARKS.md). At
     max_staleness 0 nothing overlaps, and the threads stay the synchronous loop's."""
     if (cfg.run.threads or cfg.loop.mode != "async" or cfg.loop.max_staleness == 0
             or cfg.loop.backend != "local"):

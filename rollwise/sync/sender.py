@@ -1,6 +1,6 @@
 """Trainer side of weight sync: the trainer's weights -> a full or sparse payload for one engine.
 
-SparseRL-Sync (METHODS.md §2.4) finds the changed elements by comparing the bf16 weights
+SparseRL-Sync (docs/methods.md#sparse-sync) finds the changed elements by comparing the bf16 weights
 before and after each optimizer step and uniting the index sets over the steps since the last
 sync. Here the sender keeps `mirror`, a copy of exactly what the engine holds, in the engine's
 dtypes, and compares the trainer's weights (cast to those dtypes) with it bit for bit. That is

@@ -15,7 +15,7 @@ environment for the warm start (rollwise.agents.transcripts): a direct answer fo
 solutions) answers a product directly with a near miss and no call, so the warm start calls
 the calculator only part of the time and RL has the tool use to learn. On a chain it makes the
 first call and then answers with a near miss: its decision sits at the turn prefix after the
-first call, not at the prompt (the multi-hop shape TRACE allocates to, METHODS.md §3.10).
+first call, not at the prompt (the multi-hop shape TRACE allocates to, docs/methods.md#trace).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Connect-the-Dots packs (METHODS.md §3.14; task.name=packs, configs/packs.yaml): K related
+"""Connect-the-Dots packs (docs/methods.md#cod; task.name=packs, configs/packs.yaml): K related
 tasks that share a hidden rule, solved one after another by a model that carries what it
 learned from one task to the next only in a hint it writes itself.
 

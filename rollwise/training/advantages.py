@@ -113,7 +113,7 @@ def rloo(x: AdvantageInputs) -> AdvantageOutput:
 
 
 def cod(x: AdvantageInputs) -> AdvantageOutput:
-    """Connect-the-Dots (METHODS.md §3.14): each sample's reward-to-go over its pack
+    """Connect-the-Dots (docs/methods.md#cod): each sample's reward-to-go over its pack
     (meta['cod_return']) minus the mean over the samples with the same (pack, episode type,
     index) (meta['cod_key']), then RED reweighting by trained tokens (rollwise.training.cod)."""
     from rollwise.training.cod import baseline_advantages, red_reweight
@@ -131,7 +131,7 @@ def cod(x: AdvantageInputs) -> AdvantageOutput:
 
 
 def trace(x: AdvantageInputs) -> AdvantageOutput:
-    """TRACE (METHODS.md §3.10): each reward minus the mean over the samples continued from
+    """TRACE (docs/methods.md#trace): each reward minus the mean over the samples continued from
     the same prefix (meta['trace_anchor'], written by generate.strategy=trace)."""
     from rollwise.training.cod import baseline_advantages
     if len(x.meta) != len(x.rewards) or any("trace_anchor" not in m for m in x.meta):
@@ -176,7 +176,7 @@ def reinforce_pp_baseline(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOut
 
 
 def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:
-    """MC-GRPO (median-centred GRPO; METHODS.md §3.7, lotusroot-kim/MC-GRPO):
+    """MC-GRPO (median-centred GRPO; docs/methods.md#mc-grpo, lotusroot-kim/MC-GRPO):
     A_i = (r_i - median_g r) / (MAD_g + eps), MAD_g = median_g |r - median_g r|, and the
     pivot sample (the one at the median rank; the lower middle for an even group) is dropped
     from the loss, so G+1 rollouts give G gradients. With binary rewards MAD is often 0 and
@@ -199,7 +199,7 @@ def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:
 
 
 def gdpo(x: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutput:
-    """GDPO (NVlabs, group reward-decoupled normalisation; METHODS.md §3.8): each reward
+    """GDPO (NVlabs, group reward-decoupled normalisation; docs/methods.md#gdpo): each reward
     channel k is normalised within its group, A_k = (r_k - mean_g r_k) / (std_g r_k + eps);
     the channels are summed with weights w_k and the sum is whitened over the batch,
     A = whiten_B(sum_k w_k A_k). GRPO normalises the *sum*, which maps distinct channel

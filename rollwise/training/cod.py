@@ -1,4 +1,4 @@
-"""Connect-the-Dots credit assignment (METHODS.md §3.14; Trinity-RFT's cod_advantage): a pack of
+"""Connect-the-Dots credit assignment (docs/methods.md#cod; Trinity-RFT's cod_advantage): a pack of
 K related tasks is solved in one long rollout that alternates solve-task episodes with
 update-context episodes (a new hint). Returns are rewards-to-go over the pack, baselines are
 kept per (pack, episode type, index), and RED reweighting keeps the batch's token-weighted

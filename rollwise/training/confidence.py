@@ -1,4 +1,4 @@
-"""ECHO's update side (METHODS.md §2.5, `core_algos.py` of user683/ECHO@6f7b311): per-token
+"""ECHO's update side (docs/methods.md#echo, `core_algos.py` of user683/ECHO@6f7b311): per-token
 entropy-confidence advantage shaping and a confidence-adaptive clip, both read from the policy
 before the update.
 

@@ -9,7 +9,8 @@ trainer is at version V >= v:
     pi_prox   the trainer's log-probability under the weights of version V, recomputed at the
               start of the update (the proximal / "old" policy of the PPO ratio)
 
-The behaviour ratio splits exactly into two factors ("Missing Old Logits", METHODS.md §3.11):
+The behaviour ratio splits exactly into two factors ("Missing Old Logits",
+docs/methods.md#correction):
 
     pi_prox / mu  =  [pi_v / mu]  x  [pi_prox / pi_v]
        total          mismatch         staleness
@@ -19,7 +20,8 @@ The behaviour ratio splits exactly into two factors ("Missing Old Logits", METHO
 With staleness 0 the total is pure mismatch. Without a snapshot of version v the split of a
 stale token is unknown (APRIL's entangled case); it is counted as `unsplit`.
 
-The loss is AReaL's decoupled PPO objective (Fu et al. 2025, arXiv 2505.24298; METHODS.md §2.8):
+The loss is AReaL's decoupled PPO objective (Fu et al. 2025, arXiv 2505.24298;
+docs/methods.md#correction):
     loss_t = -w_t * min(r_t A, clip(r_t) A),  r_t = pi / anchor,  w_t = anchor / mu,
 with the anchor either pi_prox (`anchor='proximal'`: w corrects mismatch and staleness) or
 pi_v (`anchor='version'`: the clip handles staleness and w corrects mismatch only). DOTS's
@@ -111,7 +113,7 @@ def effective_sample_size(log_weights: torch.Tensor) -> float:
 
 
 def vcpo_lr_scale(ess_frac: float, rho0: float = 1.0) -> float:
-    """VCPO (METHODS.md §3.12, mit-han-lab/vcpo): the step's learning rate is multiplied by
+    """VCPO (docs/methods.md#vcpo, mit-han-lab/vcpo): the step's learning rate is multiplied by
     sqrt(min(1, rho / rho0)), rho = ESS / B, the square-root rule chosen for Adam."""
     return math.sqrt(max(0.0, min(1.0, ess_frac / rho0)))
 

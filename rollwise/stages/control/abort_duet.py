@@ -1,5 +1,5 @@
 """DUET (Hu et al. 2026, "DUET: Optimize Token-Budget Allocation for RLVR", arXiv 2605.08441;
-METHODS.md §3.1) as an in-flight controller: control.inflight=duet.
+docs/methods.md#duet) as an in-flight controller: control.inflight=duet.
 
 Two decisions share one budget of rollouts per step, control.duet_budget times what the group
 sizer asked for (prompts_per_step x group_size by default):
@@ -19,8 +19,8 @@ sizer asked for (prompts_per_step x group_size by default):
   weight is 1/q (Sample.weight), so the batch's estimate of the mean reward stays unbiased:
   E[sum_i w_i r_i / n] is the mean reward of the run without aborts (`ht_mean`).
 
-The abort details come from a third-party summary of the paper (METHODS.md marks them); the
-allocation rule is METHODS.md's minimal reading of "a pre-rollout surrogate".
+The abort details come from a third-party summary of the paper; the allocation rule is
+rollwise's own minimal reading of "a pre-rollout surrogate" (docs/methods.md#duet).
 """
 
 from __future__ import annotations

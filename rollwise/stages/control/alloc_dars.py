@@ -1,5 +1,5 @@
 """DARS (Yang et al. 2025, "Depth-Breadth Synergy in RLVR", yangzhch6/DARS
-ray_dars_trainer.py; METHODS.md §3.6) as a GroupSizer: control.group_size = dars.
+ray_dars_trainer.py; docs/methods.md#dars) as a GroupSizer: control.group_size = dars.
 
 Stage 1 samples generate.group_size (N) rollouts per prompt. A group whose success rate p
 (p = 0 counted as 0.5/n) is below 1/2 gets dn more at the same temperature, merged into it

@@ -1,5 +1,5 @@
 """sGPO (Sudalairaj et al. 2026, "sGPO: Trading Inference FLOPs for Training Efficiency in
-RLVR", arXiv 2606.08854; METHODS.md §3.2) as a GroupSizer: control.group_size = sgpo.
+RLVR", arXiv 2606.08854; docs/methods.md#sgpo) as a GroupSizer: control.group_size = sgpo.
 
 One profiling pass under the initial policy: control.profile_samples samples of each prompt
 give its success rate p. Prompts with p = 1 leave the pool (no signal left), a share

@@ -1,4 +1,5 @@
-"""APRIL partial rollouts (METHODS.md §2.2; RLsys-Foundation/APRIL slime/rollout/sglang_example.py)
+"""APRIL partial rollouts (docs/methods.md#april; RLsys-Foundation/APRIL
+slime/rollout/sglang_example.py)
 as an in-flight controller, so it works over any generator.
 
 Keep `over_provision x want` groups in flight; as soon as `want` groups are complete, pause

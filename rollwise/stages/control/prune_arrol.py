@@ -1,5 +1,5 @@
 """ARRoL (Xu et al. 2026, "Prune as You Generate: Online Rollout Pruning for Faster and Better
-RLVR", arXiv 2603.24840; METHODS.md §2.6) as an in-flight controller: control.inflight=arrol.
+RLVR", arXiv 2603.24840; docs/methods.md#arrol) as an in-flight controller: control.inflight=arrol.
 
 Control over-samples each group (G becomes ceil(G / kappa), `allocate`). When every sample of a
 group has T_p response tokens (control.arrol_checkpoint) or has ended, a quality head scores
@@ -11,7 +11,8 @@ instead, so the head also sees an unselected sample. After scoring, the head lea
 survivors' (h, final reward >= 1) by binary cross-entropy (a few Adam steps over the latest
 examples); `metrics` gives its AUC on the step's survivors, measured before it learned from
 them. The released code is a README only: the selection rule and the head's training
-follow METHODS.md's reading of the paper, and the survivors are a biased sample by design.
+are rollwise's reading of the paper (docs/methods.md#arrol), and the survivors are a
+biased sample by design.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DPS: Dynamics-Predictive Sampling (METHODS.md §2.3; maoyixiu/DPS recipe/dps/task_sampler.py).
+"""DPS: Dynamics-Predictive Sampling (docs/methods.md#dps; maoyixiu/DPS recipe/dps/task_sampler.py).
 
 Each prompt's solving progress is a 3-state hidden Markov chain: 0 unsolved, 1 partially
 solved, 2 solved. A group's success rate s is observed as state 0 (s = 0), 2 (s = 1) or 1.

@@ -1,4 +1,4 @@
-"""ECHO, entropy-confidence tree rollouts (generate.strategy=echo; METHODS.md §2.5, rules in
+"""ECHO, entropy-confidence tree rollouts (generate.strategy=echo; docs/methods.md#echo, rules in
 tree_rules.py). With filter.reward=majority it is test-time RL on trees.
 
 Per prompt, `echo.roots` sampled sequences report their top-k log-probabilities at every

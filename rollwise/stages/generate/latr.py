@@ -1,4 +1,4 @@
-"""LATR, lookahead tree rollouts (generate.strategy=latr; METHODS.md §2.7, rules in
+"""LATR, lookahead tree rollouts (generate.strategy=latr; docs/methods.md#latr, rules in
 tree_rules.py).
 
 Per prompt, a share η(step) of the group comes from a tree, the rest are i.i.d. samples. The

@@ -1,5 +1,5 @@
 """The decision rules of the tree generators, as pure functions of token statistics, so each
-threshold can be tested on constructed traces (../shared/METHODS.md §2.5 ECHO, §2.7 LATR).
+threshold can be tested on constructed traces (docs/methods.md#echo, #latr).
 
 ECHO reads the engine's top-k log-probabilities at every token:
     H_t   entropy of the top-k distribution renormalised,

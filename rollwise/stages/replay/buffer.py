@@ -1,6 +1,6 @@
 """Rollout replay (DOTS + RR, Sun et al. 2025, "Improving Data Efficiency for LLM Reinforcement
-Fine-tuning Through Difficulty-targeted Online Data Selection and Rollout Replay"; METHODS.md
-§2.8; ASTRAL-Group/data-efficient-llm-rl ray_trainer_teacher_replay.py).
+Fine-tuning Through Difficulty-targeted Online Data Selection and Rollout Replay";
+docs/methods.md#replay; ASTRAL-Group/data-efficient-llm-rl ray_trainer_teacher_replay.py).
 
 Each step generates fresh groups for only part of the batch and fills the rest with groups
 drawn uniformly from a buffer of recent ones, so a step costs fewer generated tokens:
