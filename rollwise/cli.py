@@ -4,7 +4,7 @@
     rollwise train --resume RUN [section.key=value ...]
     rollwise rollouts RUN [--step A:B] [--status S] [--export FILE|DIR]
     rollwise models get NAME | models list
-    rollwise sft | eval | generate | config show | bench NAME
+    rollwise sft | eval | generate | config show|defaults | bench NAME
     rollwise report RUN [RUN ...] [--out FILE]
 """
 
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollwise.config import Config, ConfigError, dump_config, load_config
+from rollwise.config import Config, ConfigError, commented_yaml, defaults_yaml, load_config
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -149,9 +149,13 @@ def cmd_models(args) -> int:
 
 
 def cmd_config(args) -> int:
-    if args.action != "show":
-        raise ConfigError(f"unknown config action {args.action!r}; use 'rollwise config show'")
-    print(dump_config(_load(args)), end="")
+    if args.action == "defaults":
+        if args.config or args.overrides:
+            raise ConfigError("'rollwise config defaults' prints the built-in defaults and "
+                              "takes no config; use 'rollwise config show' for a resolved one")
+        print(defaults_yaml(), end="")
+    else:
+        print(commented_yaml(_load(args)), end="")
     return 0
 
 
@@ -210,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--force", action="store_true", help="fetch and convert again")
     p.set_defaults(fn=cmd_models)
-    p = sub.add_parser("config", help="'config show' prints the resolved config")
-    p.add_argument("action", choices=["show"])
+    p = sub.add_parser("config", help="'config show': the resolved config, every key with "
+                                      "what it does; 'config defaults': configs/default.yaml")
+    p.add_argument("action", choices=["show", "defaults"])
     _config_args(p)
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("report", help="report.html with plots of one run, or several overlaid")

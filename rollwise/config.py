@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import difflib
+import textwrap
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,7 +43,9 @@ TrainKlEstimatorName = Seam("kl", "train.kl_estimator")
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # a field's docstring is its description: configs/default.yaml carries it as a comment
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              use_attribute_docstrings=True)
 
 
 class ModelConfig(Section):
@@ -345,20 +348,140 @@ class FilterConfig(Section):
     """Drop groups whose rewards are all equal: their GRPO advantages are zero."""
 
 
+class DPSConfig(Section):
+    """DPS, Dynamics-Predictive Sampling (control.selector=dps; docs/methods.md#dps)."""
+    candidate_ratio: float = Field(4.0, ge=1)
+    """Candidate pool size as a multiple of prompts_per_step."""
+    prior: Literal["flat", "stability", "progress", "local"] = "flat"
+    """Dirichlet prior of the transition counts (maoyixiu/DPS hmm_prior_alpha): flat (all 1),
+    stability (staying in a state is twice as likely), progress, local."""
+    decay: float = Field(1.0, ge=0, le=1)
+    """Per-update decay of the per-prompt counts toward their prior."""
+
+
+class ThompsonConfig(Section):
+    """MoPPS Beta-Bernoulli Thompson sampling (control.selector=thompson)."""
+    target_success: float = Field(0.5, gt=0, lt=1)
+    """Pick prompts whose sampled success rate is closest to this."""
+    decay: float = Field(1.0, ge=0, le=1)
+    """Per-update decay of the per-prompt counts toward their prior."""
+
+
+class AprilConfig(Section):
+    """APRIL partial rollouts (control.inflight=april; docs/methods.md#april)."""
+    over_provision: float = Field(2.0, ge=1)
+    """Groups in flight per group wanted."""
+
+
+class SGPOConfig(Section):
+    """sGPO group sizes (control.group_size=sgpo; docs/methods.md#sgpo)."""
+    group_min: int = Field(2, ge=1)
+    group_max: int = Field(16, ge=1)
+    """The clip of G = 1/p (a group of one has no advantage under GRPO)."""
+    profile_samples: int = Field(8, ge=1)
+    """Samples per prompt in the profiling pass (k)."""
+    profile_prompts: int | None = Field(None, gt=0)
+    """Profile (and then train on) this many prompts drawn from the pool; None: all."""
+    unsolvable_keep: float = Field(0.1, ge=0, le=1)
+    """Share of the never-solved prompts (p = 0) kept in the pool."""
+
+    @model_validator(mode="after")
+    def _check_clip(self):
+        return _check_group_clip(self, "sgpo")
+
+
+class DARSConfig(Section):
+    """DARS extra rollouts for hard prompts (control.group_size=dars; docs/methods.md#dars)."""
+    schedule: Literal["et", "hw"] = "et"
+    """Equal-treatment (et) or hardness-weighted (hw) extra rollouts."""
+    max: int | None = Field(None, ge=1)
+    """Most samples a group may reach; None: 4 x (et) or 8 x (hw) generate.group_size, the
+    paper's 32 and 64 at group_size 8."""
+
+
+class ArrolConfig(Section):
+    """ARRoL online pruning (control.inflight=arrol; docs/methods.md#arrol)."""
+    checkpoint: int = Field(8, ge=1)
+    """Response tokens (T_p) after which the quality head scores a rollout."""
+    keep: float = Field(0.5, gt=0, le=1)
+    """Share of the over-sampled rollouts that survive (kappa): a group of G is sampled as
+    ceil(G / kappa) and pruned back to G at the checkpoint."""
+    rho: float = Field(0.5, ge=0, le=1)
+    """Target share of positives among the survivors (the top rho G by head score are kept
+    with the bottom (1 - rho) G)."""
+    explore: float = Field(0.1, ge=0, le=1)
+    """Share of groups pruned at random instead of by the head, so the head also learns from
+    an unselected sample."""
+    lr: float = Field(0.01, gt=0)
+    """Learning rate of the quality head (logistic regression, Adam)."""
+
+
+class DuetConfig(Section):
+    """DUET budget allocation and marker-gated aborts (control.inflight=duet;
+    docs/methods.md#duet)."""
+    budget: float = Field(1.0, gt=0)
+    """Rollouts per step as a share of prompts_per_step x group_size."""
+    group_min: int = Field(2, ge=1)
+    group_max: int = Field(16, ge=1)
+    """Rollouts a prompt gets: the most informative get group_min each while the budget
+    lasts, and no prompt more than group_max."""
+    horizon: int = Field(32, ge=1)
+    grace: int = Field(8, ge=0)
+    """A rollout with no answer marker after horizon + grace tokens is aborted (or kept with
+    probability keep_prob and weighted by its inverse)."""
+    keep_prob: float = Field(0.05, gt=0, le=1)
+    after_marker: int = Field(8, ge=0)
+    """Tokens a rollout may run on after its answer marker appears."""
+    marker: str | None = None
+    """A regex whose match in the response so far is the answer marker (e.g. '\\\\boxed\\{');
+    None: the task's answer extractor finding an answer is the marker."""
+
+    @field_validator("marker")
+    @classmethod
+    def _check_marker(cls, v):
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression ({e}): {v!r}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _check_clip(self):
+        return _check_group_clip(self, "duet")
+
+
+def _check_group_clip(section, name: str):
+    if section.group_min > section.group_max:
+        raise ValueError(f"control.{name}.group_min = {section.group_min} > "
+                         f"control.{name}.group_max = {section.group_max}: needs min <= max")
+    return section
+
+
+# Keys that moved into a method's own section: the old flat name stops with the new one.
+_CONTROL_MOVED = {
+    "candidate_ratio": "control.dps.candidate_ratio", "dps_prior": "control.dps.prior",
+    "decay": "control.dps.decay or control.thompson.decay",
+    "target_success": "control.thompson.target_success",
+    "over_provision": "control.april.over_provision",
+    "group_min": "control.sgpo.group_min or control.duet.group_min",
+    "group_max": "control.sgpo.group_max or control.duet.group_max",
+    **{k: f"control.sgpo.{k}" for k in ("profile_samples", "profile_prompts",
+                                         "unsolvable_keep")},
+    "dars_schedule": "control.dars.schedule", "dars_max": "control.dars.max",
+    **{f"arrol_{k}": f"control.arrol.{k}" for k in ArrolConfig.model_fields},
+    **{f"duet_{k}": f"control.duet.{k}" for k in DuetConfig.model_fields},
+}
+
+
 class ControlConfig(Section):
     selector: ControlSelectorName = "uniform"
-    """uniform; thompson (MoPPS Beta-Bernoulli); dps (Dynamics-Predictive Sampling); or
-    'package.module:factory' called as factory(cfg) (rollwise.stages.control)."""
+    """uniform; thompson (MoPPS Beta-Bernoulli, control.thompson.*); dps (Dynamics-Predictive
+    Sampling, control.dps.*); or 'package.module:factory' called as factory(cfg)
+    (rollwise.stages.control)."""
     prompts_per_step: int = Field(64, gt=0)
-    candidate_ratio: float = Field(4.0, ge=1)
-    """DPS: candidate pool size as a multiple of prompts_per_step."""
-    dps_prior: Literal["flat", "stability", "progress", "local"] = "flat"
-    """DPS: Dirichlet prior of the transition counts (maoyixiu/DPS hmm_prior_alpha): flat (all
-    1), stability (staying in a state is twice as likely), progress, local."""
-    decay: float = Field(1.0, ge=0, le=1)
-    """DPS / Thompson: per-update decay of the per-prompt counts toward their prior."""
-    target_success: float = Field(0.5, gt=0, lt=1)
-    """Thompson: pick prompts whose sampled success rate is closest to this."""
+    dps: DPSConfig = DPSConfig()
+    thompson: ThompsonConfig = ThompsonConfig()
     inflight: ControlInflightName = "none"
     """In-flight control over any generator. none: every request runs to its end; april:
     partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
@@ -366,8 +489,9 @@ class ControlConfig(Section):
     correctness-balanced survivors); duet (a token budget allocated across prompts by their
     informativeness, and a marker-gated abort); or 'package.module:factory' called as
     factory(cfg)."""
-    over_provision: float = Field(2.0, ge=1)
-    """APRIL: groups in flight per group wanted."""
+    april: AprilConfig = AprilConfig()
+    arrol: ArrolConfig = ArrolConfig()
+    duet: DuetConfig = DuetConfig()
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: refill until prompts_per_step groups have mixed rewards."""
     max_rounds: int = Field(8, ge=1)
@@ -382,65 +506,21 @@ class ControlConfig(Section):
     group_size: ControlGroupSizeName = "fixed"
     """Samples per prompt (rollwise.stages.control.group_size): fixed (generate.group_size);
     sgpo (a profiling pass gives each prompt's success rate p; G = 1/p clipped to
-    [group_min, group_max]; solved prompts dropped, unsolvable ones subsampled); dars (after
-    the first generate.group_size samples, hard prompts get extra ones on DARS's schedule);
-    or 'package.module:factory' called as factory(cfg)."""
-    group_min: int = Field(2, ge=1)
-    group_max: int = Field(16, ge=1)
-    """sgpo: the clip of G = 1/p (a group of one has no advantage under GRPO)."""
-    profile_samples: int = Field(8, ge=1)
-    """sgpo: samples per prompt in the profiling pass (k)."""
-    profile_prompts: int | None = Field(None, gt=0)
-    """sgpo: profile (and then train on) this many prompts drawn from the pool; None: all."""
-    unsolvable_keep: float = Field(0.1, ge=0, le=1)
-    """sgpo: share of the never-solved prompts (p = 0) kept in the pool."""
-    dars_schedule: Literal["et", "hw"] = "et"
-    """dars: equal-treatment (et) or hardness-weighted (hw) extra rollouts."""
-    dars_max: int | None = Field(None, ge=1)
-    """dars: most samples a group may reach; None: 4 x (et) or 8 x (hw) generate.group_size,
-    the paper's 32 and 64 at group_size 8."""
-    arrol_checkpoint: int = Field(8, ge=1)
-    """arrol: response tokens (T_p) after which the quality head scores a rollout."""
-    arrol_keep: float = Field(0.5, gt=0, le=1)
-    """arrol: share of the over-sampled rollouts that survive (kappa): a group of G is
-    sampled as ceil(G / kappa) and pruned back to G at the checkpoint."""
-    arrol_rho: float = Field(0.5, ge=0, le=1)
-    """arrol: target share of positives among the survivors (the top rho G by head score are
-    kept with the bottom (1 - rho) G)."""
-    arrol_explore: float = Field(0.1, ge=0, le=1)
-    """arrol: share of groups pruned at random instead of by the head, so the head also
-    learns from an unselected sample."""
-    arrol_lr: float = Field(0.01, gt=0)
-    """arrol: learning rate of the quality head (logistic regression, Adam)."""
-    duet_budget: float = Field(1.0, gt=0)
-    """duet: rollouts per step as a share of prompts_per_step x group_size."""
-    duet_horizon: int = Field(32, ge=1)
-    duet_grace: int = Field(8, ge=0)
-    """duet: a rollout with no answer marker after horizon + grace tokens is aborted (or
-    kept with probability duet_keep_prob and weighted by its inverse)."""
-    duet_keep_prob: float = Field(0.05, gt=0, le=1)
-    duet_after_marker: int = Field(8, ge=0)
-    """duet: tokens a rollout may run on after its answer marker appears."""
-    duet_marker: str | None = None
-    """duet: a regex whose match in the response so far is the answer marker (e.g.
-    '\\\\boxed\\{'); None: the task's answer extractor finding an answer is the marker."""
+    [group_min, group_max]; solved prompts dropped, unsolvable ones subsampled; control.sgpo.*);
+    dars (after the first generate.group_size samples, hard prompts get extra ones on DARS's
+    schedule; control.dars.*); or 'package.module:factory' called as factory(cfg)."""
+    sgpo: SGPOConfig = SGPOConfig()
+    dars: DARSConfig = DARSConfig()
 
-    @field_validator("duet_marker")
+    @model_validator(mode="before")
     @classmethod
-    def _check_marker(cls, v):
-        if v is not None:
-            try:
-                re.compile(v)
-            except re.error as e:
-                raise ValueError(f"not a regular expression ({e}): {v!r}") from None
-        return v
-
-    @model_validator(mode="after")
-    def _check_group_clip(self):
-        if self.group_min > self.group_max:
-            raise ValueError(f"control.group_min = {self.group_min} > control.group_max = "
-                             f"{self.group_max}: the clip of G = 1/p needs min <= max")
-        return self
+    def _moved_keys(cls, data):
+        if isinstance(data, dict):
+            moved = [f"control.{k} is now {_CONTROL_MOVED[k]}" for k in data
+                     if k in _CONTROL_MOVED]
+            if moved:
+                raise ValueError("; ".join(moved))
+        return data
 
     @model_validator(mode="after")
     def _check_refill(self):
@@ -820,3 +900,43 @@ def validate(data: dict) -> Config:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+DEFAULTS_HEADER = """\
+# The default embedded CPU run: every key rollwise reads, at its default, with what it does.
+# Generated from rollwise/config.py by
+#   python3 -m rollwise config defaults > configs/default.yaml
+# and tests/test_config.py fails when the two drift apart.
+"""
+
+
+def defaults_yaml() -> str:
+    """configs/default.yaml: every key at its default."""
+    return DEFAULTS_HEADER + commented_yaml(Config())
+
+
+def commented_yaml(cfg: Config) -> str:
+    """Every key of `cfg` with its value, each under its description as a comment; it loads
+    back to the same config."""
+    return "".join(_section_lines(cfg, 0))
+
+
+def _section_lines(section: BaseModel, indent: int):
+    pad = " " * indent
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        about = field.description or (type(value).__doc__ if isinstance(value, Section) else "")
+        for line in textwrap.wrap(" ".join((about or "").split()), width=96 - indent,
+                                  break_on_hyphens=False):
+            yield f"{pad}# {line}\n"
+        if isinstance(value, BaseModel):
+            yield f"{pad}{name}:\n"
+            yield from _section_lines(value, indent + 2)
+        else:
+            flow = yaml.safe_dump([_plain(value)], default_flow_style=True, width=10**6)
+            yield f"{pad}{name}: {flow.strip()[1:-1]}\n"
+
+
+def _plain(value):
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+

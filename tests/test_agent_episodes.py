@@ -268,7 +268,7 @@ def test_episodes_carried_by_april_go_on_in_later_rounds(tiny):
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 6,
                                               "strategy": "episode", "env": "again"},
-                                 "control": {"over_provision": 2.0}})
+                                 "control": {"april": {"over_provision": 2.0}}})
     gen = EpisodeGenerator(cfg, tok)
     loop = Loop(April(cfg))
     # several stop ids: a random model's turns end early (and often), as trained ones do

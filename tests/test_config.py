@@ -2,15 +2,92 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from rollwise.cli import main
-from rollwise.config import Config, ConfigError, dump_config, load_config
+from rollwise.config import Config, ConfigError, defaults_yaml, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_yaml_matches_the_built_in_defaults():
     assert load_config(ROOT / "configs" / "default.yaml") == Config()
+
+
+def _model_keys(model, prefix: str = "") -> list[str]:
+    """Every leaf key of the config classes, dotted."""
+    keys = []
+    for name, field in model.model_fields.items():
+        nested = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        keys += _model_keys(field.annotation, f"{prefix}{name}.") if nested else [prefix + name]
+    return keys
+
+
+def _lookup(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def test_default_yaml_is_generated_from_the_config_classes_and_lists_every_key():
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    assert text == defaults_yaml(), ("configs/default.yaml drifted from rollwise/config.py: "
+                                     "python3 -m rollwise config defaults > configs/default.yaml")
+    listed, keys = yaml.safe_load(text), _model_keys(Config)
+    defaults = Config().model_dump()
+    for key in keys:  # present, at its default (a missing key would raise KeyError here)
+        assert _lookup(listed, key) == _lookup(defaults, key), key
+    for key in ("run.device", "task.chat_template", "generate.latr.eta", "control.arrol.keep",
+                "engine.kv_budget_bytes"):
+        assert key in keys
+    # a field's docstring is its comment, right above it
+    assert "    # Groups in flight per group wanted.\n    over_provision: 2.0\n" in text
+
+
+def test_config_defaults_command_prints_the_file(capsys):
+    assert main(["config", "defaults"]) == 0
+    assert capsys.readouterr().out == (ROOT / "configs" / "default.yaml").read_text()
+    assert main(["config", "defaults", "train.lr=1"]) == 2
+
+
+@pytest.mark.parametrize("old, new", [
+    ("control.arrol_keep=0.4", "control.arrol.keep"),
+    ("control.duet_marker=x", "control.duet.marker"),
+    ("control.over_provision=3", "control.april.over_provision"),
+    ("control.dps_prior=flat", "control.dps.prior"),
+    ("control.dars_max=4", "control.dars.max"),
+    ("control.profile_samples=4", "control.sgpo.profile_samples"),
+    ("control.group_min=3", "control.sgpo.group_min or control.duet.group_min"),
+    ("control.decay=0.7", "control.dps.decay or control.thompson.decay"),
+])
+def test_a_flat_control_key_that_moved_names_its_new_key(old, new, tmp_path):
+    with pytest.raises(ConfigError, match="is now " + new.replace(".", r"\.")):
+        load_config(None, [old])
+    key, value = old.split("=")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"control:\n  {key.split('.')[1]}: {value}\n")
+    with pytest.raises(ConfigError, match=new.split(" ")[0].replace(".", r"\.")):
+        load_config(path)
+
+
+def test_method_sections_reach_their_methods():
+    from rollwise.stages.control.abort_duet import Duet
+    from rollwise.stages.control.alloc_sgpo import SGPO
+    from rollwise.stages.control.april import April
+    from rollwise.stages.control.prune_arrol import Arrol
+    from rollwise.stages.control.select_dps import DPSSelector
+    from rollwise.stages.control.select_thompson import ThompsonSelector
+    cfg = load_config(None, ["control.duet.group_min=3", "control.duet.group_max=5",
+                             "control.sgpo.group_min=4", "control.april.over_provision=3",
+                             "control.arrol.keep=0.25", "control.dps.decay=0.7",
+                             "control.dps.candidate_ratio=8", "control.thompson.decay=0.9"])
+    duet, sgpo = Duet(cfg), SGPO(cfg)
+    assert (duet.lo, duet.hi, sgpo.lo, sgpo.hi) == (3, 5, 4, 16)
+    assert April(cfg).over == 3 and Arrol(cfg).kappa == 0.25
+    dps, thompson = DPSSelector.build(cfg), ThompsonSelector.build(cfg)
+    assert (dps.decay, dps.candidate_ratio, thompson.decay) == (0.7, 8, 0.9)
+    with pytest.raises(ConfigError, match="control.duet.group_min = 6 > control.duet.group_max"):
+        load_config(None, ["control.duet.group_min=6", "control.duet.group_max=5"])
 
 
 def test_overrides_are_typed_and_nested():

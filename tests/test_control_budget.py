@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollwise import registry
-from rollwise.config import Config, TrainConfig
+from rollwise.config import Config, DARSConfig, SGPOConfig, TrainConfig
 from rollwise.engine import Engine
 from rollwise.stages.control.abort_duet import Duet, allocate_budget, ht_mean, informativeness
 from rollwise.stages.control.alloc_dars import DARS, dars_extra
@@ -131,8 +131,13 @@ def test_an_update_on_unequal_weighted_groups_matches_a_per_sample_loop(tiny):
 
 # ---- sGPO and DARS -----------------------------------------------------------------------
 
-def sized_cfg(**control) -> Config:
-    return Config.model_validate({"control": control, "generate": {"group_size": 8}})
+def sized_cfg(group_size: str = "fixed", **method) -> Config:
+    """A config whose sGPO and DARS sections hold `method` (each takes the keys it has)."""
+    sgpo = {k: v for k, v in method.items() if k in SGPOConfig.model_fields}
+    dars = {k: v for k, v in method.items() if k in DARSConfig.model_fields}
+    assert len(sgpo) + len(dars) == len(method), method
+    return Config.model_validate({"control": {"group_size": group_size, "sgpo": sgpo,
+                                              "dars": dars}, "generate": {"group_size": 8}})
 
 
 def test_sgpo_group_size_is_one_over_p_clipped():
@@ -178,7 +183,7 @@ def test_dars_extra_rollouts_follow_the_paper_table(p, et, hw):
 
 
 def test_dars_reads_each_groups_success_rate():
-    d = DARS(sized_cfg(group_size="dars", dars_schedule="hw"))
+    d = DARS(sized_cfg(group_size="dars", schedule="hw"))
     groups = []
     for wins in (0, 1, 2, 3, 4, 8):
         samples = [Sample("p", [1]) for _ in range(8)]
@@ -238,8 +243,8 @@ def test_arrol_survivors_positive_share_is_rho_with_a_constructed_head(tiny, rho
     ranks by it exactly, the survivors' positive share is rho instead of the raw share."""
     model, tok = tiny
     cfg = Config.model_validate({"generate": {"group_size": 8, "max_new_tokens": 12},
-                                 "control": {"arrol_checkpoint": 4, "arrol_keep": 0.5,
-                                             "arrol_rho": rho, "arrol_explore": 0.0}})
+                                 "control": {"arrol": {"checkpoint": 4, "keep": 0.5,
+                                                       "rho": rho, "explore": 0.0}}})
     arrol = Arrol(cfg)
     arrol.bind(policy=ParityPolicy())
     arrol.head._build(1)
@@ -325,8 +330,8 @@ def test_duet_reweighted_mean_reward_is_unbiased_against_the_no_abort_run():
     """Monte Carlo over 400 batches of 32 rollouts: the kept-tail weights 1/q make the
     Horvitz-Thompson mean of the kept rollouts an unbiased estimate of the full run's mean;
     the plain mean of the kept ones is biased (tails succeed more often here)."""
-    cfg = Config.model_validate({"control": {"duet_horizon": 16, "duet_grace": 4,
-                                             "duet_keep_prob": 0.2, "duet_after_marker": 2}})
+    cfg = Config.model_validate({"control": {"duet": {"horizon": 16, "grace": 4, "keep_prob": 0.2,
+                                                      "after_marker": 2}}})
     errors, naive, saved = [], [], []
     for trial in range(400):
         rng = random.Random(trial)
@@ -363,14 +368,14 @@ def test_duet_reweighted_mean_reward_is_unbiased_against_the_no_abort_run():
 # ---- in the loop -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method, extra, token_key, decision_key", [
-    ("sgpo", ["control.group_size=sgpo", "control.profile_prompts=40",
-              "control.unsolvable_keep=1.0"], "tokens/profile", "decisions/control/profile/sgpo"),
+    ("sgpo", ["control.group_size=sgpo", "control.sgpo.profile_prompts=40",
+              "control.sgpo.unsolvable_keep=1.0"], "tokens/profile", "decisions/control/profile/sgpo"),
     ("dars", ["control.group_size=dars"], None, "decisions/control/extend/dars"),
-    ("arrol", ["control.inflight=arrol", "control.arrol_checkpoint=2", "engine.segment=2"],
+    ("arrol", ["control.inflight=arrol", "control.arrol.checkpoint=2", "engine.segment=2"],
      "tokens/pruned/arrol", "decisions/control/prune/arrol"),
-    ("duet", ["control.inflight=duet", "control.duet_budget=0.5", "control.duet_horizon=2",
-              "control.duet_grace=0", "control.duet_keep_prob=0.5", "engine.segment=1",
-              "control.duet_marker=^NEVER"],
+    ("duet", ["control.inflight=duet", "control.duet.budget=0.5", "control.duet.horizon=2",
+              "control.duet.grace=0", "control.duet.keep_prob=0.5", "engine.segment=1",
+              "control.duet.marker=^NEVER"],
      "tokens/aborted/duet_no_marker", "decisions/control/abort/duet_no_marker"),
 ])
 def test_each_budget_method_runs_the_loop_and_accounts_for_its_tokens(

@@ -131,5 +131,5 @@ def test_one_observation_ranks_mixed_over_unseen_over_solved():
 
 
 def test_unknown_prior_is_refused_by_name():
-    with pytest.raises(ValueError, match="dps_prior"):
+    with pytest.raises(ValueError, match="dps.prior"):
         DPSSelector(prior_name="steady").hmm("x")

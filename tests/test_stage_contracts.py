@@ -204,7 +204,7 @@ def test_generator_and_controller_contract(tiny, generator, controller):
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 10,
                                               "env": "tests.test_stage_contracts:OneTurnEnv"},
-                                 "control": {"over_provision": 2.0}})
+                                 "control": {"april": {"over_provision": 2.0}}})
     gen = build("generator", generator, cfg, tok)
     loop = Loop(build("inflight", controller, cfg))
     if hasattr(loop.inflight, "bind"):  # the context Control.bind gives in a run

@@ -48,7 +48,7 @@ class TaskSetup:
 TASKS = {
     # ARRoL's T_p = 16 tokens: a 2-digit scratchpad's first two columns, half of a 3-digit one
     "stepped": TaskSetup(str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml"),
-                         BENCH_RUN + ["control.arrol_checkpoint=16"], 1_400_000, 5, None),
+                         BENCH_RUN + ["control.arrol.checkpoint=16"], 1_400_000, 5, None),
     # APRIL's long-tail task, tails shortened (means 2 and 24 instead of 4 and 60) so that the
     # default run's warm start (2000 supervised steps) takes 8 minutes here instead of about
     # 100. Greedy decoding never leaves a geometric filler ('.' continues with probability
@@ -61,9 +61,9 @@ TASKS = {
 METHODS = {
     "grpo": [],
     "arrol": ["control.inflight=arrol"],
-    "duet100": ["control.inflight=duet", "control.duet_budget=1.0"],
-    "duet50": ["control.inflight=duet", "control.duet_budget=0.5"],
-    "sgpo": ["control.group_size=sgpo", "control.profile_prompts=256"],
+    "duet100": ["control.inflight=duet", "control.duet.budget=1.0"],
+    "duet50": ["control.inflight=duet", "control.duet.budget=0.5"],
+    "sgpo": ["control.group_size=sgpo", "control.sgpo.profile_prompts=256"],
     "dars": ["control.group_size=dars"],
 }
 BUDGET_SHARE = {"duet50": 0.5}

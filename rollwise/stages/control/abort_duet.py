@@ -1,7 +1,7 @@
 """DUET (Hu et al. 2026, "DUET: Optimize Token-Budget Allocation for RLVR", arXiv 2605.08441;
 docs/methods.md#duet) as an in-flight controller: control.inflight=duet.
 
-Two decisions share one budget of rollouts per step, control.duet_budget times what the group
+Two decisions share one budget of rollouts per step, control.duet.budget times what the group
 sizer asked for (prompts_per_step x group_size by default):
 
 - How many rollouts each prompt gets (`allocate`, before generation): a prompt's
@@ -10,12 +10,12 @@ sizer asked for (prompts_per_step x group_size by default):
   while the budget lasts; the rest goes one rollout at a time to the prompt with the largest
   score / (n + 1) (proportional allocation, capped at group_max). A prompt left with none is
   skipped.
-- When each rollout stops (`on_event`): the answer marker is a match of control.duet_marker
+- When each rollout stops (`on_event`): the answer marker is a match of control.duet.marker
   in the response so far, or, by default, the task's answer extractor finding an answer there
   (\\boxed{} for math, the answer tag; for the arith tiers any text after the filler). Once it
-  appears the rollout may run duet_after_marker more tokens, then it stops and is trained as
-  it stands. With no marker after duet_horizon + duet_grace tokens it is aborted and leaves the
-  batch, except with probability q = duet_keep_prob: then it runs to its end and its loss
+  appears the rollout may run after_marker more tokens, then it stops and is trained as
+  it stands. With no marker after horizon + grace tokens it is aborted and leaves the
+  batch, except with probability q = keep_prob: then it runs to its end and its loss
   weight is 1/q (Sample.weight), so the batch's estimate of the mean reward stays unbiased:
   E[sum_i w_i r_i / n] is the mean reward of the run without aborts (`ht_mean`).
 
@@ -64,11 +64,11 @@ def ht_mean(rewards: list[float], weights: list[float], started: int) -> float:
 
 class Duet:
     def __init__(self, cfg=None):
-        c = cfg.control
-        self.share, self.lo, self.hi = c.duet_budget, c.group_min, c.group_max
-        self.horizon, self.grace, self.q = c.duet_horizon, c.duet_grace, c.duet_keep_prob
-        self.after = c.duet_after_marker
-        self.marker = re.compile(c.duet_marker) if c.duet_marker else None
+        c = cfg.control.duet
+        self.share, self.lo, self.hi = c.budget, c.group_min, c.group_max
+        self.horizon, self.grace, self.q = c.horizon, c.grace, c.keep_prob
+        self.after = c.after_marker
+        self.marker = re.compile(c.marker) if c.marker else None
         self.seed = cfg.run.seed
         self.stats: dict[str, list[int]] = {}  # prompt id -> [successes, trials]
         self.tokenizer = self.task = None

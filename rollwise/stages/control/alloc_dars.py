@@ -9,7 +9,7 @@ before the advantages, so hard prompts weigh as much as medium ones in the updat
     equal treatment:     dn = ceil((0.5 n - n S) / S)
     hardness weighted:   dn = ceil((2 (1 - p) 0.5 n - n S) / S)
 
-capped so the group holds at most control.dars_max (4N or 8N by default: 32 and 64 at N = 8,
+capped so the group holds at most control.dars.max (4N or 8N by default: 32 and 64 at N = 8,
 as in the paper's scripts). With N = 8: p = 0, 1/8, 1/4, 3/8 give 24, 11, 3, 1 (et) and 56,
 24, 8, 3 (hw).
 """
@@ -33,8 +33,8 @@ def dars_extra(n: int, p: float, schedule: str, n_max: int) -> int:
 
 class DARS:
     def __init__(self, cfg):
-        self.n, self.schedule = cfg.generate.group_size, cfg.control.dars_schedule
-        self.n_max = cfg.control.dars_max or self.n * (4 if self.schedule == "et" else 8)
+        self.n, self.schedule = cfg.generate.group_size, cfg.control.dars.schedule
+        self.n_max = cfg.control.dars.max or self.n * (4 if self.schedule == "et" else 8)
 
     def pool(self, pool, profile):
         return pool

@@ -1,9 +1,9 @@
 """sGPO (Sudalairaj et al. 2026, "sGPO: Trading Inference FLOPs for Training Efficiency in
 RLVR", arXiv 2606.08854; docs/methods.md#sgpo) as a GroupSizer: control.group_size = sgpo.
 
-One profiling pass under the initial policy: control.profile_samples samples of each prompt
+One profiling pass under the initial policy: control.sgpo.profile_samples samples of each prompt
 give its success rate p. Prompts with p = 1 leave the pool (no signal left), a share
-control.unsolvable_keep of those with p = 0 stays, and each prompt is then sampled with
+control.sgpo.unsolvable_keep of those with p = 0 stays, and each prompt is then sampled with
 G = ceil(1/p) clipped to [group_min, group_max] (p = 0: group_max), the smallest group that
 expects one success. The profiling tokens are generated and counted (tokens/profile/...) in
 the first step, so a compute comparison includes them. p stays as profiled (one offline pass,
@@ -18,7 +18,7 @@ import random
 
 class SGPO:
     def __init__(self, cfg):
-        c = cfg.control
+        c = cfg.control.sgpo
         self.k, self.lo, self.hi = c.profile_samples, c.group_min, c.group_max
         self.limit, self.keep_unsolvable = c.profile_prompts, c.unsolvable_keep
         self.seed = cfg.run.seed
@@ -48,8 +48,8 @@ class SGPO:
             raise RuntimeError(
                 f"control.group_size = sgpo: the profiling pass over {len(todo)} prompts left "
                 f"none to train on (every prompt solved every time, or none solved and "
-                f"control.unsolvable_keep = {self.keep_unsolvable}); raise "
-                f"control.unsolvable_keep or use a harder task")
+                f"control.sgpo.unsolvable_keep = {self.keep_unsolvable}); raise "
+                f"control.sgpo.unsolvable_keep or use a harder task")
 
     def sizes(self, problems, step):
         # a prompt the pass did not see (a curriculum's later pool): the default clip's top

@@ -2,11 +2,11 @@
 RLVR", arXiv 2603.24840; docs/methods.md#arrol) as an in-flight controller: control.inflight=arrol.
 
 Control over-samples each group (G becomes ceil(G / kappa), `allocate`). When every sample of a
-group has T_p response tokens (control.arrol_checkpoint) or has ended, a quality head scores
+group has T_p response tokens (control.arrol.checkpoint) or has ended, a quality head scores
 each one: q = sigmoid(w.h + b), h the policy's detached last hidden state at the prefix's last
 token. The group keeps round(kappa n) survivors, the rho share with the highest q and the rest
 with the lowest, so about rho of them succeed; the others are aborted at once (their KV slots
-freed) and leave the group (a tree's parent is never pruned from under its children). A share control.arrol_explore of groups is pruned at random
+freed) and leave the group (a tree's parent is never pruned from under its children). A share control.arrol.explore of groups is pruned at random
 instead, so the head also sees an unselected sample. After scoring, the head learns from the
 survivors' (h, final reward >= 1) by binary cross-entropy (a few Adam steps over the latest
 examples); `metrics` gives its AUC on the step's survivors, measured before it learned from
@@ -114,10 +114,10 @@ def hidden_states(policy, seqs: list[list[int]]) -> torch.Tensor:
 
 class Arrol:
     def __init__(self, cfg=None):
-        c = cfg.control
-        self.t_p, self.kappa, self.rho, self.explore = (c.arrol_checkpoint, c.arrol_keep,
-                                                       c.arrol_rho, c.arrol_explore)
-        self.head = QualityHead(c.arrol_lr)
+        c = cfg.control.arrol
+        self.t_p, self.kappa, self.rho, self.explore = (c.checkpoint, c.keep, c.rho,
+                                                       c.explore)
+        self.head = QualityHead(c.lr)
         self.seed = cfg.run.seed
         self.policy = None
         self._group_of: dict[str, Group] = {}

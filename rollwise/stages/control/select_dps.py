@@ -85,15 +85,15 @@ class DPSSelector:
 
     @classmethod
     def build(cls, cfg) -> "DPSSelector":
-        c = cfg.control
-        return cls(decay=c.decay, candidate_ratio=c.candidate_ratio, prior_name=c.dps_prior)
+        c = cfg.control.dps
+        return cls(decay=c.decay, candidate_ratio=c.candidate_ratio, prior_name=c.prior)
 
     @property
     def prior(self) -> np.ndarray:
         if self.prior_name == "flat":
             return np.full((3, 3), self.prior_count)
         if self.prior_name not in STRUCTURED_PRIORS:
-            raise ValueError(f"control.dps_prior = {self.prior_name!r}: choose flat, "
+            raise ValueError(f"control.dps.prior = {self.prior_name!r}: choose flat, "
                              f"{', '.join(STRUCTURED_PRIORS)}")
         return np.array(STRUCTURED_PRIORS[self.prior_name])
 

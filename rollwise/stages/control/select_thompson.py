@@ -17,7 +17,8 @@ from rollwise.tasks import Problem
 class ThompsonSelector:
     @classmethod
     def build(cls, cfg) -> "ThompsonSelector":
-        return cls(target=cfg.control.target_success, decay=cfg.control.decay)
+        c = cfg.control.thompson
+        return cls(target=c.target_success, decay=c.decay)
 
     def __init__(self, target: float = 0.5, decay: float = 1.0):
         self.target, self.decay = target, decay
