@@ -369,7 +369,8 @@ def test_duet_reweighted_mean_reward_is_unbiased_against_the_no_abort_run():
 
 @pytest.mark.parametrize("method, extra, token_key, decision_key", [
     ("sgpo", ["control.group_size=sgpo", "control.sgpo.profile_prompts=40",
-              "control.sgpo.unsolvable_keep=1.0"], "tokens/profile", "decisions/control/profile/sgpo"),
+              "control.sgpo.unsolvable_keep=1.0"], "tokens/profile",
+     "decisions/control/profile/sgpo"),
     ("dars", ["control.group_size=dars"], None, "decisions/control/extend/dars"),
     ("arrol", ["control.inflight=arrol", "control.arrol.checkpoint=2", "engine.segment=2"],
      "tokens/pruned/arrol", "decisions/control/prune/arrol"),

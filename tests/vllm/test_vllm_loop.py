@@ -7,7 +7,8 @@
   own seeded streams, so the curves agree in trend, not token for token);
 - every token carries vLLM's behaviour log-probability and the policy version; the trainer's
   recomputed log-probabilities match them within BEHAVIOUR_TOL (BENCHMARKS.md, "vLLM in the
-  default run": vLLM's CPU GEMMs and attention are not bit-identical to the Hugging Face forward pass);
+  default run": vLLM's CPU GEMMs and attention are not bit-identical to the Hugging Face
+  forward pass);
 - after each sync, sparse payloads included, the weights vLLM loads from equal the trainer's bit
   for bit, and vLLM computes with them exactly what a vLLM started from the trainer's weights
   computes (vLLM's CPU kernels repack weights, so the packed copies cannot be read back).

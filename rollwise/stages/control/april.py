@@ -25,8 +25,11 @@ BATCH_COMPLETE = Decision("pause", "batch_complete", everyone=True)
 
 class April:
     def __init__(self, cfg=None, over_provision: float | None = None):
-        """cfg: the run's Config (control.april.over_provision: groups in flight per group wanted)."""
-        self.over = over_provision if over_provision is not None else cfg.control.april.over_provision
+        """cfg: the run's Config (control.april.over_provision: groups in flight per group
+        wanted)."""
+        if over_provision is None:
+            over_provision = cfg.control.april.over_provision
+        self.over = over_provision
         if self.over < 1:
             raise ValueError(f"control.april.over_provision = {self.over}: must be >= 1")
         self.carry: list[Group] = []  # groups with paused members, oldest first

@@ -6,7 +6,8 @@ group has T_p response tokens (control.arrol.checkpoint) or has ended, a quality
 each one: q = sigmoid(w.h + b), h the policy's detached last hidden state at the prefix's last
 token. The group keeps round(kappa n) survivors, the rho share with the highest q and the rest
 with the lowest, so about rho of them succeed; the others are aborted at once (their KV slots
-freed) and leave the group (a tree's parent is never pruned from under its children). A share control.arrol.explore of groups is pruned at random
+freed) and leave the group (a tree's parent is never pruned from under its children). A share
+control.arrol.explore of groups is pruned at random
 instead, so the head also sees an unselected sample. After scoring, the head learns from the
 survivors' (h, final reward >= 1) by binary cross-entropy (a few Adam steps over the latest
 examples); `metrics` gives its AUC on the step's survivors, measured before it learned from
