@@ -133,3 +133,16 @@ def test_one_observation_ranks_mixed_over_unseen_over_solved():
 def test_unknown_prior_is_refused_by_name():
     with pytest.raises(ValueError, match="dps.prior"):
         DPSSelector(prior_name="steady").hmm("x")
+
+
+def test_prompt_outcomes_count_full_rewards_per_prompt():
+    """What selectors learn from, and what `rollwise bench select` tallies from a step's
+    result: successes are rewards of at least 1, against a count by hand."""
+    from rollwise.stages.control.stage import prompt_outcomes
+    from rollwise.types import Group, Sample
+
+    def group(pid, rewards):
+        return Group(pid, [Sample(prompt_id=pid, prompt_ids=[1], reward=r) for r in rewards])
+    got = prompt_outcomes([group("a", [1.0, 0.0, 0.5, 1.2]), group("b", [0.0, 0.0]),
+                           group("c", [1.0])])
+    assert got == {"a": (2, 4), "b": (0, 2), "c": (1, 1)}

@@ -49,26 +49,22 @@ def run_method(base: list[str], method: str, seed: int, target: float, max_steps
     from rollwise.loop.metrics import step_metrics
     from rollwise.loop.sync import Run
     from rollwise.report.progress import Progress
+    from rollwise.stages.control.stage import prompt_outcomes
     cfg = load_config(None, base + METHODS[method] + [
         f"run.seed={seed}", f"train.steps={max_steps}", f"run.root={root}",
         f"run.name=select-{method}-{seed}", f"run.init={init}"])
     run = Run(cfg, Progress("quiet"))
     tiers = {p.id: p.tier for p in run.task.train}
     by_tier: dict[str, list[int]] = {}  # tier -> [groups scored, groups with mixed rewards]
-    selector = run.control.selector
-    observe = selector.observe
-
-    def tally(outcomes, step):  # every scored group passes here, kept or not
-        for pid, (succ, trials) in outcomes.items():
-            t = by_tier.setdefault(tiers[pid], [0, 0])
-            t[0] += 1
-            t[1] += 0 < succ < trials
-        observe(outcomes, step)
-    selector.observe = tally
     mixed = scored = trained = 0
     reached, curve, next_eval = None, [], eval_rollouts
     for step in range(1, max_steps + 1):
-        m = step_metrics(run.step(step))
+        result = run.step(step)
+        for pid, (succ, trials) in prompt_outcomes(result.scored).items():  # kept or not
+            t = by_tier.setdefault(tiers[pid], [0, 0])
+            t[0] += 1
+            t[1] += 0 < succ < trials
+        m = step_metrics(result)
         mixed += m["groups/mixed_share"] * m["groups/scored"]
         scored += m["groups/scored"]
         trained += m["groups/trained"]

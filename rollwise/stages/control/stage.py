@@ -53,6 +53,11 @@ class Refill:
         return kept[:want]
 
 
+
+def prompt_outcomes(scored: list[Group]) -> dict[str, tuple[int, int]]:
+    """(successes, trials) per prompt of a step's scored groups: what selectors learn from."""
+    return {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples)) for g in scored}
+
 class Control:
     def __init__(self, cfg, task, rng: random.Random):
         self.cfg, self.task, self.rng = cfg, task, rng
@@ -125,8 +130,7 @@ class Control:
 
     def observe(self, scored: list[Group], step: int) -> None:
         """Every scored group, kept or not: (successes, trials) per prompt."""
-        outcomes = {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples))
-                    for g in scored}
+        outcomes = prompt_outcomes(scored)
         self.selector.observe(outcomes, step)
         if hasattr(self.inflight, "observe"):  # a learned controller (ARRoL's quality head)
             self.inflight.observe(scored, step)
