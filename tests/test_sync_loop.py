@@ -37,3 +37,31 @@ def test_a_run_with_the_engine_in_a_child_process_matches_in_process(tmp_path, m
     trained = [r for r in metrics["process"] if "train/loss" in r]
     assert len(trained) == 3 and all(r["sync/sparse"] == 1.0 for r in trained[1:])
     assert metrics["process"][-1]["policy/version"] == 3
+
+
+def test_the_engine_process_ends_with_the_run_on_every_path(tmp_path, monkeypatch):
+    """A finished run and one that fails mid-step both leave no engine process behind: the
+    run closes what it started (Run is a context manager)."""
+    import multiprocessing
+
+    from rollwise.loop import sync as loop_sync
+    model, tok = models.build(ModelConfig(hidden_size=32, num_layers=1, num_heads=2,
+                                          num_kv_heads=1, intermediate_size=64), seed=0)
+    models.save(model, tok, tmp_path / "init")
+
+    def config(name):
+        return load_config(None, [
+            f"model.path={tmp_path / 'init'}", f"filter.reward={__name__}:even_length",
+            "train.steps=1", "control.prompts_per_step=2", "generate.group_size=2",
+            "task.eval_size=4", f"run.root={tmp_path}", f"run.name={name}", "run.log=quiet",
+            "run.report=false", "sync.transport=process"])
+    train(config("finished"))
+    assert multiprocessing.active_children() == []
+
+    def fail(self, step):
+        assert multiprocessing.active_children(), "the engine process should be running here"
+        raise RuntimeError("a step fails")
+    monkeypatch.setattr(loop_sync.Run, "produce", fail)
+    with pytest.raises(RuntimeError, match="a step fails"):
+        train(config("failed"))
+    assert multiprocessing.active_children() == []

@@ -130,7 +130,7 @@ class Run:
 
     def __init__(self, cfg: Config, progress: Progress, resume: bool = False,
                  inputs: Inputs | None = None):
-        self.cfg, self.progress = cfg, progress
+        self.cfg, self.progress, self.closed = cfg, progress, False
         inputs = inputs or Inputs()
         self.device = preflight(cfg, inputs)
         self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)  # bad rows: before work
@@ -322,6 +322,24 @@ class Run:
             if k in state and hasattr(p, "load_state_dict"):
                 p.load_state_dict(state[k])
 
+    def close(self) -> None:
+        """Release what runs beside this process: an engine or trainer ranks in child
+        processes or Ray actors, verifier workers. Every way out of a run calls it (`with
+        Run(...) as run`); a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        for part in (self.engine, self.trainer, self.filter, self.eval_scorer):
+            close = getattr(part, "close", None)  # in-process parts hold nothing to release
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def checkpoint(self, step: int, loop: dict) -> None:
         ckpt.save(self.dir, step, {"step": step, "loop": loop, **self.state_dict()},
                   self.cfg.run.keep_checkpoints)
@@ -360,7 +378,11 @@ def _train(cfg: Config, progress: Progress | None, resume: bool,
     found = ckpt.latest(Path(cfg.run.root) / cfg.run.name, progress.log) if resume else None
     if resume and found is None:
         progress.log("no intact checkpoint to resume from: starting the run over")
-    run = Run(cfg, progress, resume=found is not None, inputs=inputs)
+    with Run(cfg, progress, resume=found is not None, inputs=inputs) as run:
+        return _run_loop(run, cfg, progress, found, wall0)
+
+
+def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) -> dict:
     progress.log(f"run directory: {run.dir}  ({models.num_params(run.trainer.model) / 1e6:.2f}M "
                  f"parameters, {cfg.train.steps} steps of {cfg.control.prompts_per_step} prompts "
                  f"x {cfg.generate.group_size})")
@@ -413,13 +435,11 @@ def _train(cfg: Config, progress: Progress | None, resume: bool,
     sinks.close()
     progress.close()
     if stopped is not None:
-        getattr(run.engine, "close", lambda: None)()
-        getattr(run.trainer, "close", lambda: None)()
+        run.close()
         progress.log(f"stopped after step {stopped} (checkpoint saved); continue with "
                      f"'rollwise train --resume {run.dir}'")
         return {"stopped_at": stopped, "run_dir": str(run.dir), **run.totals}
-    getattr(run.engine, "close", lambda: None)()  # an engine in a child process
-    getattr(run.trainer, "close", lambda: None)()  # trainer ranks in child processes
+    run.close()
     models.save(run.trainer.model, run.tokenizer, run.dir / "model")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
                "eval_start": start, "eval_end": last_eval, "steps": cfg.train.steps,
