@@ -76,7 +76,8 @@ class TaskConfig(Section):
     """Built-in tiers and their share of the train mix (see rollwise.tasks.arith.TIERS)."""
     train_size: int = Field(20000, gt=0)
     eval_size: int = Field(400, gt=0)
-    """Held-out prompts, split across tiers in the same shares as the train mix."""
+    """Held-out prompts: split across tiers in the same shares as the train mix; for a file or
+    dataset without eval rows, drawn at random (task.seed) from its rows, at most a fifth."""
     seed: int = 1234
     """Problem-set seed; independent of run.seed so every run sees the same problems."""
     filler_mean: float = Field(0.0, ge=0)

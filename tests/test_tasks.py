@@ -67,7 +67,8 @@ def test_file_task_custom_columns_and_parquet(tmp_path):
                    path)
     task = load_task(TaskConfig(name="file", path=str(path), prompt_field="q",
                                 answer_field="a", eval_size=2))
-    assert [p.answer for p in task.eval] == ["9", "10"] and task.skipped == 0
+    assert len(task.eval) == 2 and task.skipped == 0
+    assert sorted(p.answer for p in task.train + task.eval) == sorted(str(i + 1) for i in range(10))
     with pytest.raises(ValueError, match="no usable rows"):
         load_task(TaskConfig(name="file", path=str(path), eval_size=2, prompt_field="x"))
 
@@ -274,3 +275,19 @@ def test_wrong_facts_teacher_slips_exactly_on_its_digit_pairs():
         assert (task.extract_answer(text) != p.answer) == used
         slipped_any += used
     assert 0 < slipped_any < len(task.train)
+
+
+def test_a_sorted_files_held_out_rows_are_drawn_from_all_of_it(tmp_path):
+    """Held-out rows are a seeded random draw, not the file's tail: from rows sorted by their
+    answer, the held-out answers spread over the whole range; the same seed gives the same
+    split, another seed another one, and train keeps the file's order."""
+    path = tmp_path / "sorted.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+0=", "answer": i}) + "\n"
+                            for i in range(1000)))
+    split = [load_task(TaskConfig(name="file", path=str(path), eval_size=100, seed=s))
+             for s in (1234, 1234, 7)]
+    held = [sorted(int(p.answer) for p in t.eval) for t in split]
+    assert len(held[0]) == 100 and held[0] == held[1] and held[0] != held[2]
+    assert min(held[0]) < 100 and max(held[0]) >= 900  # not the last 100 rows
+    train = [int(p.answer) for p in split[0].train]
+    assert train == sorted(train) and not set(train) & set(held[0])

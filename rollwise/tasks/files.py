@@ -4,14 +4,16 @@ Parquet file, or in memory (a list of dicts or a `datasets.Dataset`, from rollwi
 A prompt is a non-empty string or a list of chat messages ({"role", "content"}); the answer
 field may be a dotted path into a nested column (verl's `reward_model.ground_truth`). A
 malformed row is reported with its line (or row) number and skipped; the count of skipped rows
-is kept in `skipped`. The held-out split is task.eval_path (or the eval rows given), else the
-last task.eval_size rows (at most a fifth).
+is kept in `skipped`. The held-out split is task.eval_path (or the eval rows given), else
+task.eval_size rows (at most a fifth) drawn at random (task.seed) from the whole file, so a
+sorted file's held-out rows are not its tail; the train rows keep the file's order.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -111,6 +113,13 @@ def memory_rows(rows: Any) -> list[tuple[int, Any]]:
             for i, r in enumerate(rows, start=1)]
 
 
+
+def held_out_split(rows: list, n: int, seed: int) -> tuple[list, list]:
+    """(train, held-out): n rows drawn at random by `seed`; both keep the rows' order."""
+    held = set(random.Random(seed).sample(range(len(rows)), n))
+    return ([r for i, r in enumerate(rows) if i not in held],
+            [r for i, r in enumerate(rows) if i in held])
+
 class FileTask:
     score_fn = None
 
@@ -133,8 +142,8 @@ class FileTask:
             self.errors += errs
             self.train = train
         else:
-            n = min(cfg.eval_size, len(train) // 5)
-            self.train, self.eval = train[:len(train) - n], train[len(train) - n:]
+            self.train, self.eval = held_out_split(train, min(cfg.eval_size, len(train) // 5),
+                                                   cfg.seed)
         self.skipped = len(self.errors)
         if not self.train or not self.eval:
             raise ValueError(f"dataset {cfg.path or '(in memory)'}: no usable rows for "
