@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rollwise import models
-from rollwise.config import Config, ModelConfig, load_config
+from rollwise.config import ModelConfig, load_config
 from rollwise.loop.sync import train
 
 

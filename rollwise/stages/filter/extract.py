@@ -103,10 +103,11 @@ def is_number(text: str) -> bool:
 
 def numeric_literal(answer: str | None) -> str | None:
     """The number an answer states, or None when it states no single value. An equation
-    states its right-hand side ('44 + 27 = 71' -> '71', 'The sum is 71' -> '71'); LaTeX wrappers, degree and percent
-    signs and trailing unit words go ('10\\text{ cm}', '18 dollars'); \\frac{p}{q} with
-    numbers stays a fraction. An expression ('52 * 53', '46 - 69') is not a literal: a
-    verifier that evaluates it would reward restating the problem."""
+    states its right-hand side ('44 + 27 = 71' -> '71', 'The sum is 71' -> '71'); LaTeX
+    wrappers, degree and percent signs and trailing unit words go ('10\\text{ cm}',
+    '18 dollars'); \\frac{p}{q} with numbers stays a fraction. An expression ('52 * 53',
+    '46 - 69') is not a literal: a verifier that evaluates it would reward restating the
+    problem."""
     if answer is None:
         return None
     s = answer.strip()
