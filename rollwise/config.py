@@ -934,10 +934,6 @@ def _section_lines(section: BaseModel, indent: int):
             yield f"{pad}{name}:\n"
             yield from _section_lines(value, indent + 2)
         else:
-            flow = yaml.safe_dump([_plain(value)], default_flow_style=True, width=10**6)
+            flow = yaml.safe_dump([value], default_flow_style=True, width=10**6)
             yield f"{pad}{name}: {flow.strip()[1:-1]}\n"
-
-
-def _plain(value):
-    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 

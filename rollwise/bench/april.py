@@ -12,10 +12,10 @@ A token counts when its group is trained on: APRIL's carried samples count in th
 trains them, and what is still carried at the end counts nowhere (its generation time does).
 The run fails if decoded tokens != trained + carried tokens.
 
-Also reported: trained tokens per model forward pass (decode tick), the cost model
-of synchronous decoding (each tick costs the batch's longest live sequence), which is what a
-memory-bound GPU decoder pays. On a CPU a pass costs more the
-more rows it has, so the wall-clock gain is smaller than the tick gain.
+Also reported: trained tokens per model forward pass (decode tick), the cost model in which
+a tick costs the same however many rows it holds, which is what a memory-bound GPU decoder
+pays. On a CPU a pass costs more the more rows it has, so the wall-clock gain is smaller than
+the tick gain.
 """
 
 from __future__ import annotations
