@@ -27,8 +27,9 @@ def train(config: str | Path | Config | dict | None = None, *, model: Any = None
           tokenizer: Any = None, dataset: Any = None, eval_dataset: Any = None,
           reward: Any = None, resume: bool = False, **overrides: Any) -> dict:
     """Run RL training and return the run summary (summary.json's contents)."""
-    from rollwise.loop.sync import Inputs
-    from rollwise.loop.sync import train as run_training
+    # the loop (torch) loads on the first call: `import rollwise` stays light
+    from rollwise.loop.run import Inputs
+    from rollwise.loop.run import train as run_training
     data = _config_data(config)
     for key, value in overrides.items():
         _merge(data, key.replace("__", ".").split("."), value)
@@ -74,6 +75,7 @@ def _merge(data: dict, parts: list[str], value: Any) -> None:
 def _tokenizer_of(model):
     path = getattr(model, "name_or_path", "")
     if path and (Path(path) / "tokenizer_config.json").exists():
+        # transformers: only for a model given by path
         from rollwise.models import load_tokenizer
         return load_tokenizer(path)
     raise ValueError("model: a loaded model needs its tokenizer; pass tokenizer=..., or give "
@@ -94,6 +96,7 @@ def _reward_spec(reward) -> str | dict[str, float]:
 def _reward_name(reward) -> str:
     if isinstance(reward, str):
         return reward
+    # the filter (torch) loads with the first reward function
     from rollwise import registry
     from rollwise.stages.filter.python_fn import CallableVerifier, reward_name
     CallableVerifier(reward)  # fails here, naming the problem, when it is not callable

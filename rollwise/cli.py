@@ -18,6 +18,9 @@ from pathlib import Path
 
 from rollwise.config import Config, ConfigError, commented_yaml, defaults_yaml, load_config
 
+# Each command imports what it needs when it runs: `rollwise --help` and `rollwise config`
+# start without torch, transformers or Ray.
+
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (default: built-in defaults, "
@@ -31,7 +34,7 @@ def _load(args) -> Config:
 
 
 def cmd_train(args) -> int:
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     if args.resume is None:
         train(_load(args))
         return 0
@@ -64,9 +67,10 @@ def cmd_sft(args) -> int:
 
 def cmd_eval(args) -> int:
     from rollwise import models
-    from rollwise.engine import Engine
-    from rollwise.evaluate import EPISODIC, evaluate, vote
+    from rollwise.engine import BuiltinEngine
+    from rollwise.evaluate import vote
     from rollwise.stages.filter import eval_scorer
+    from rollwise.stages.generate import build_generator
     from rollwise.tasks import load_task
     from rollwise.tasks.prompts import Prompter
     cfg = _load(args)
@@ -78,17 +82,9 @@ def cmd_eval(args) -> int:
     task = load_task(cfg.task)
     scorer = eval_scorer(cfg.filter, task)
     prompter = Prompter.for_task(cfg.task, tok, task, model)
-    engine = Engine(model, copy_model=False)
-    if cfg.generate.strategy in EPISODIC and args.vote is None:
-        from rollwise.agents.evaluate import evaluate_episodes
-        metrics = evaluate_episodes(engine, prompter, task.eval, cfg, cfg.run.eval_samples,
-                                    cfg.run.eval_temperature)
-    elif cfg.generate.strategy == "cod" and args.vote is None:
-        from rollwise.agents.packs import evaluate_packs
-        metrics = evaluate_packs(engine, task.eval, cfg, tok, prompter.stop_ids)
-    elif args.vote is None:
-        metrics = evaluate(engine, prompter, task.eval, scorer, cfg.generate.max_new_tokens,
-                           cfg.run.eval_samples, cfg.run.eval_temperature)
+    engine = BuiltinEngine(model, copy_model=False)
+    if args.vote is None:  # played as the run's generation strategy plays its samples
+        metrics = build_generator(cfg, tok).evaluate(engine, prompter, task.eval, cfg, scorer)
     else:
         metrics = vote(engine, prompter, task.eval, scorer, task.extract_answer,
                        cfg.generate.max_new_tokens, cfg.run.eval_samples,
@@ -115,11 +111,11 @@ def quality_head(cfg, model_dir: Path, model):
 
 def cmd_generate(args) -> int:
     from rollwise import models
-    from rollwise.engine import Engine, Request, SamplingParams
     from rollwise.config import TaskConfig
+    from rollwise.engine import BuiltinEngine, Request, SamplingParams
     from rollwise.tasks.prompts import Prompter
     model, tok = models.load_model(args.model)
-    engine = Engine(model, copy_model=False, seed=args.seed)
+    engine = BuiltinEngine(model, copy_model=False, seed=args.seed)
     prompter = Prompter(TaskConfig(), tok, model_config=model.generation_config)  # chat: auto
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             stop_ids=prompter.stop_ids)

@@ -7,16 +7,22 @@ fails before any work with a message that names the field, the value and what is
 
 from __future__ import annotations
 
-import re
-
 import difflib
+import re
 import textwrap
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rollwise import registry
 
@@ -272,7 +278,7 @@ class GenerateConfig(Section):
     env: str | None = None
     """generate.strategy=episode: the environment, by name (tools) or
     'package.module:factory' called as factory(cfg, problem) (rollwise.agents.env);
-    strategy=cod: the pack environment (remap; rollwise.agents.packs)."""
+    strategy=cod: the pack environment (remap; rollwise.agents.pack_play)."""
     tools: list[str] = []
     """The tools an episode's environment offers: calculator, python, or
     'package.module:function' (a typed function with a docstring)."""
@@ -758,8 +764,8 @@ class LoopConfig(Section):
     k - 1 - max_staleness, so nothing is generated only to be dropped."""
     backend: Literal["local", "ray"] = "local"
     """'local': the engine in this process (or a child, sync.transport); 'ray': Ray actors
-    with a built-in engine each (rollwise/loop/ray.py), dead ones replaced, their requests
-    re-queued."""
+    with a built-in engine each (rollwise/engine/ray_pool.py), dead ones replaced, their
+    requests re-queued."""
     rollout_workers: int = Field(2, ge=1)
     """ray: rollout workers (Ray actors) in the pool."""
     ray_address: str | None = None

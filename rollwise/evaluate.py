@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from rollwise.engine import Engine, Request, SamplingParams
-from rollwise.stages.filter import Scorer
-from rollwise.tasks import Problem
 from rollwise.tasks.prompts import Prompter
+from rollwise.types import Problem, Scorer
 
 EVAL_SEED = 1_000_003  # sampled evals draw from fixed seeds: the same call gives the same number
-EPISODIC = ("episode", "trace")  # generate.strategy values whose samples are agent episodes
 
 
 def evaluate(engine: Engine, prompter: Prompter, problems: list[Problem], scorer: Scorer,

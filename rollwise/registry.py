@@ -14,10 +14,16 @@ known name or a dotted path and rejects anything else with the list of known nam
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import types
 from typing import Any
 
 BUILTIN: dict[str, dict[str, str]] = {
+    # factory(task_cfg) -> Task (rollwise.tasks.base); 'name:variant' resolves 'name'
+    "task": {"arith": "rollwise.tasks.arith:ArithTask", "calc": "rollwise.tasks.calc:CalcTask",
+             "packs": "rollwise.tasks.packs:PacksTask", "gym": "rollwise.tasks.gym:GymTask",
+             "file": "rollwise.tasks.files:FileTask"},
     # fn(AdvantageInputs) -> AdvantageOutput
     "advantage": {n: "rollwise.training.advantages:" + f for n, f in (
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
@@ -51,10 +57,10 @@ BUILTIN: dict[str, dict[str, str]] = {
                   "echo": "rollwise.stages.generate.echo:EchoGenerator",
                   "episode": "rollwise.agents.episode:EpisodeGenerator",
                   "trace": "rollwise.agents.trace_rollout:TraceGenerator",
-                  "cod": "rollwise.agents.packs:CoDGenerator"},
+                  "cod": "rollwise.agents.pack_play:CoDGenerator"},
     # factory(cfg, problem) -> Environment (rollwise.agents.env), one per episode
     "env": {"tools": "rollwise.agents.env:ToolEnv"},
-    # factory(cfg, problem) -> PackEnvironment (rollwise.agents.packs), one per pack play
+    # factory(cfg, problem) -> PackEnvironment (rollwise.agents.pack_play), one per pack play
     "pack": {"remap": "rollwise.tasks.packs:RemapPack"},
     # factory(cfg) -> InflightController
     "inflight": {"none": "rollwise.stages.control.inflight:RunToEnd",
@@ -140,3 +146,28 @@ def _import(path: str, key: str, name: str) -> Any:
 def _known_kind(kind: str) -> None:
     if kind not in BUILTIN:
         raise KeyError(f"registry kind {kind!r}: one of {', '.join(BUILTIN)}")
+
+
+def conform(obj: Any, base: type, key: str) -> Any:
+    """`obj` as a `base` (a part's protocol class with defaults): an instance is returned as
+    it is; a plugin's object that does not subclass it must have base's abstract methods and
+    gets base's default for every other public method or attribute it lacks. This is the one
+    place that asks what an object has, so callers call protocol methods without probing."""
+    if isinstance(obj, base):
+        return obj
+    missing = [n for n in sorted(getattr(base, "__abstractmethods__", ()))
+               if not callable(getattr(obj, n, None))]
+    if missing:
+        raise TypeError(f"{key}: {type(obj).__name__} lacks {', '.join(missing)}; subclass "
+                        f"{base.__module__}.{base.__qualname__} and implement it")
+    for name, default in inspect.getmembers(base):
+        if name.startswith("_") or hasattr(obj, name):
+            continue
+        value = types.MethodType(default, obj) if inspect.isfunction(default) else default
+        try:
+            setattr(obj, name, value)
+        except AttributeError:  # __slots__ or a read-only object
+            raise TypeError(f"{key}: {type(obj).__name__} lacks {name} and cannot take "
+                            f"the default; subclass {base.__module__}.{base.__qualname__}"
+                            ) from None
+    return obj

@@ -1,5 +1,5 @@
-"""Core record types: one trajectory (Sample), the samples of one prompt (Group), and the
-columnar Batch the trainer consumes.
+"""Core record types: one prompt of a task (Problem), one trajectory (Sample), the samples of
+one prompt (Group), and the columnar Batch the trainer consumes.
 
 A Sample keeps token-level truth: token ids (never re-tokenized text), the behaviour
 log-probability the engine sampled each response token with, the policy version that produced
@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +29,23 @@ class Status(str, enum.Enum):
 
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
+
+
+@dataclass
+class Problem:
+    """One prompt of a task, with the answer its verifiers check."""
+    id: str
+    prompt: str | list[dict]  # text, or chat messages [{"role", "content"}, ...]
+    answer: str
+    tier: str = "all"
+    solution: str | None = None  # worked response for the supervised warm start
+    data: dict[str, Any] = field(default_factory=dict)  # source row, for custom verifiers
+    prompt_ids: list[int] | None = None  # made once by rollwise.tasks.prompts.Prompter
+    group_size: int | None = None  # samples Control wants for it this round; None: the default
+
+
+Scorer = Callable[[str, Problem], tuple[float, str]]
+"""score(response text, problem) -> (reward, why): held-out evaluation's per-sample scorer."""
 
 
 @dataclass
@@ -135,7 +152,6 @@ class Group:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Group":
-        from rollwise.tasks import Problem  # tasks import types; only the read needs Problem
         problem = d["problem"]
         if isinstance(problem, dict):
             problem = Problem(**problem)

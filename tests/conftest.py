@@ -1,3 +1,13 @@
+"""Shared fixtures and the suite's layout.
+
+tests/<part>/ holds the tests of rollwise/<part>/ (tests/stages/filter/ those of
+rollwise/stages/filter/, ...); tests/ itself the tests of top-level modules, and the helpers the
+test modules share (*_helpers.py, engine_contract.py, extension_plugin.py, ...), which no test
+module imports from another. Tests that run whole training loops are marked `integration`:
+`python3 -m pytest -q --unit` leaves them out (the unit suite, a few minutes on 2 cores);
+`python3 -m pytest -q` runs both, as CI does.
+"""
+
 import pytest
 import torch
 
@@ -5,6 +15,20 @@ from rollwise import models
 from rollwise.config import ModelConfig
 
 torch.set_num_threads(1)  # the suite shares a 2-core machine; keep numbers deterministic
+
+
+def pytest_addoption(parser):
+    parser.addoption("--unit", action="store_true",
+                     help="the unit suite: leave out tests marked integration (whole loops)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--unit"):
+        return
+    left_out = [item for item in items if "integration" in item.keywords]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if "integration" not in item.keywords]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A minimal reference engine for the engine contract: the protocols of rollwise/engine/base.py
 with nothing clever. One sequence at a time, a full forward pass over prompt + tokens for every
 token (no KV cache, no batching), the same sampling math and per-request seeded streams as the
-built-in engine. tests/test_engine_contract.py runs the contract checks on it beside the
+built-in engine. tests/engine/test_engine_contract.py runs the contract checks on it beside the
 built-in engine, so the checks are known to hold for the plainest possible implementation."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollwise.engine import Completion, Event, Request, SamplingParams
-from rollwise.engine.engine import SparseUpdate, _scatter
+from rollwise.engine import Completion, Engine, Event, Request, SamplingParams
+from rollwise.engine.builtin import SparseUpdate, _scatter
 from rollwise.engine.sampling import SeedStream, sample
 
 
@@ -37,7 +37,7 @@ class Seq:
                           self.seq_id, top_logprobs=list(self.top) or None)
 
 
-class ReferenceEngine:
+class ReferenceEngine(Engine):
     def __init__(self, model, *, seed: int = 0, segment: int = 16, version: int = 0):
         self.model, self.segment, self.version = model, segment, version
         self.tokens_generated = 0

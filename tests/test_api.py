@@ -10,7 +10,7 @@ from rollwise import models
 from rollwise.config import ConfigError, ModelConfig
 from rollwise.stages.filter.base import Item
 from rollwise.stages.filter.python_fn import CallableVerifier
-from rollwise.tasks import Problem
+from rollwise.types import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)[::-1], "tier": "ab"[a % 2]}
@@ -99,6 +99,7 @@ def readme_python_example() -> str:
     return block.group(1)
 
 
+@pytest.mark.integration
 def test_the_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     code = readme_python_example()
     assert len(code.strip().splitlines()) < 15

@@ -3,10 +3,10 @@
 import pytest
 
 from rollwise.config import ConfigError, load_config
-from rollwise.engine import Engine, Request, SamplingParams
+from rollwise.engine import BuiltinEngine, Request, SamplingParams
 from rollwise.evaluate import EVAL_SEED, evaluate
-from rollwise.tasks import Problem
 from rollwise.tasks.prompts import Prompter
+from rollwise.types import Problem
 
 
 def parity(text, problem):
@@ -19,7 +19,7 @@ PROBLEMS = [Problem(f"p{i}", f"{i}+{i}=", str(2 * i), tier="ab"[i % 2]) for i in
 
 def test_sampled_pass1_is_the_mean_over_each_prompts_seeded_draws(tiny):
     model, tok = tiny
-    engine = Engine(model)
+    engine = BuiltinEngine(model)
     got = evaluate(engine, Prompter.plain(tok), PROBLEMS, parity, 8, samples=3, temperature=1.0)
     # the naive way: every draw on its own, one request at a time, averaged per prompt
     per_prompt = []
@@ -40,6 +40,6 @@ def test_sampled_pass1_is_the_mean_over_each_prompts_seeded_draws(tiny):
 def test_many_greedy_samples_are_refused(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="temperature > 0"):
-        evaluate(Engine(model), Prompter.plain(tok), PROBLEMS, parity, 8, samples=4)
+        evaluate(BuiltinEngine(model), Prompter.plain(tok), PROBLEMS, parity, 8, samples=4)
     with pytest.raises(ConfigError, match="run.eval_temperature"):
         load_config(None, ["run.eval_samples=4"])

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from rollwise.engine import Engine, Request, SamplingParams
+from rollwise.engine import BuiltinEngine, Request, SamplingParams
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Group, Sample, Status
@@ -18,7 +18,7 @@ PROMPTS = ["12+34=", "  7-5=", "101+9=", "55-12=", "3+4=", "90-9="]
 def make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=5, seed=0,
                 version=0) -> list[Group]:
     """Groups sampled by the engine from `model`, with seeded mixed binary rewards."""
-    engine = Engine(model, seed=seed, version=version)
+    engine = BuiltinEngine(model, seed=seed, version=version)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,))
     reqs = [Request(tok(p)["input_ids"], params, i)
             for i, p in enumerate(PROMPTS[:n_prompts]) for _ in range(group_size)]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import operator
 
+from rollwise.stages.filter.sandbox import run_python
+
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: operator.pow}
@@ -59,7 +61,6 @@ def python(code: str) -> str:
     Args:
         code: The program; its standard output is the result.
     """
-    from rollwise.stages.filter.sandbox import run_python
     r = run_python(code)
     if r.ok:
         return r.stdout

@@ -23,6 +23,7 @@ import functools
 import re
 from typing import Any, Protocol
 
+from rollwise import registry
 from rollwise.agents.toolcalls import parse_tool_calls
 from rollwise.agents.tools import Toolbox
 
@@ -35,7 +36,6 @@ class Environment(Protocol):
 
 def build_env_factory(cfg):
     """factory(problem) -> Environment for generate.env."""
-    from rollwise import registry
     make = registry.resolve("env", cfg.generate.env, "generate.env")
     return lambda problem: make(cfg, problem)
 

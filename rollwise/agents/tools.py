@@ -16,6 +16,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from transformers.utils import get_json_schema
+
+from rollwise import registry
 from rollwise.agents.toolcalls import ToolCall
 
 _JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool,
@@ -35,7 +38,6 @@ class Tool:
     def from_function(cls, fn: Callable[..., Any]) -> "Tool":
         """The schema from fn's type hints and Google-style docstring (an 'Args:' section
         naming every parameter); a missing hint or description is a clear error."""
-        from transformers.utils import get_json_schema
         try:
             schema = get_json_schema(fn)
         except Exception as e:
@@ -97,7 +99,6 @@ class Toolbox:
     def from_names(cls, names: list[str], limits: ToolLimits = ToolLimits()) -> "Toolbox":
         """Tools by built-in name (calculator, python), registered name or
         'package.module:function'."""
-        from rollwise import registry
         return cls([registry.resolve("tool", n, "tools") for n in names], limits)
 
     @property

@@ -31,12 +31,12 @@ from rollwise.bench.agents import CALC, DEFAULTS, warm_start
 
 def play_round(cfg, model, tokenizer, problems, stop_ids, cache: int) -> dict:
     from rollwise.agents.episode import EpisodeGenerator
-    from rollwise.engine import Engine
+    from rollwise.engine import BuiltinEngine
     from rollwise.stages.control.inflight import RunToEnd
     from rollwise.stages.generate.group import sampling_params
     from rollwise.stages.generate.rollout import Rollout
     from rollwise.stages.ledger import Ledger
-    engine = Engine(model, max_batch=cfg.engine.max_batch, seed=cfg.run.seed,
+    engine = BuiltinEngine(model, max_batch=cfg.engine.max_batch, seed=cfg.run.seed,
                     segment=cfg.engine.segment, prefix_cache_tokens=cache)
     rollout = Rollout(engine, RunToEnd(), Ledger(), sampling_params(cfg.generate, stop_ids))
     t0 = time.perf_counter()
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise.engine.backends import prefix_cache_tokens
+    from rollwise.engine.sizing import prefix_cache_tokens
     base = [*DEFAULTS, *args.overrides, f"run.root={args.root}"]
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     setup = calc_setup if args.scenario == "calc" else long_setup

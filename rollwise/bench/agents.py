@@ -45,14 +45,15 @@ def warm_start(config: str, base: list[str], log) -> str:
     from rollwise.tasks import load_task
     from rollwise.training import sft
     cfg = load_config(config, base + ["run.seed=0"])
-    sft.warm_start(cfg, load_task(cfg.task), log=log)
-    return str(sft.cache_path(cfg))
+    task = load_task(cfg.task)
+    sft.warm_start(cfg, task, log=log)
+    return str(sft.warm_start_path(cfg, task))
 
 
 def run(config: str, overrides: list[str]) -> list[dict]:
     """The run's metrics rows (evaluations included)."""
     from rollwise.config import load_config
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     from rollwise.report.data import read_metrics
     summary = train(load_config(config, overrides))
     return read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")

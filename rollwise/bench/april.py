@@ -35,33 +35,33 @@ DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean
 
 def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> dict:
     from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.sync import Run
+    from rollwise.loop.run import Run
     from rollwise.report.progress import Progress
     cfg = load_config(None, base + [f"control.inflight={mode}", f"train.steps={steps}",
                                     f"run.root={root}", f"run.name=april-{mode}",
                                     f"run.init={init}"])
-    run = Run(cfg, Progress("quiet"))
-    engine = run.engine
-    decoded0, prefill0, passes0 = (engine.tokens_generated, engine.prefill_tokens,
-                                   engine.forward_passes)
-    rows = [step_metrics(run.step(step)) for step in range(1, steps + 1)]
-    gen_s = sum(r["perf/gen_seconds"] for r in rows)
-    batch = sum(r["tokens/batch"] for r in rows)
-    decoded = engine.tokens_generated - decoded0
-    passes = engine.forward_passes - passes0
-    carried = rows[-1].get("tokens/paused_carried", 0.0)
-    if decoded != batch + carried:  # every sampled token is trained on or still carried
-        raise RuntimeError(f"{mode}: {decoded} tokens decoded but {batch} trained + "
-                           f"{carried} carried")
-    per_step = [r["tokens/batch"] / r["perf/gen_seconds"] for r in rows[1:]]  # after step 1
-    return {"mode": mode, "gen_seconds": gen_s, "batch_tokens": batch,
-            "decoded_tokens": decoded, "prefill_tokens": engine.prefill_tokens - prefill0,
-            "ticks": passes, "throughput": batch / gen_s,
-            "step_throughput_median": statistics.median(per_step) if per_step else None,
-            "tokens_per_tick": batch / passes,
-            "stale_tokens": sum(r["tokens/stale"] for r in rows),
-            "carried_tokens_end": carried,
-            "mean_length": statistics.mean(r["response/length_mean"] for r in rows)}
+    with Run(cfg, Progress("quiet")) as run:
+        engine = run.engine
+        decoded0, prefill0, passes0 = (engine.tokens_generated, engine.prefill_tokens,
+                                       engine.forward_passes)
+        rows = [step_metrics(run.step(step)) for step in range(1, steps + 1)]
+        gen_s = sum(r["perf/gen_seconds"] for r in rows)
+        batch = sum(r["tokens/batch"] for r in rows)
+        decoded = engine.tokens_generated - decoded0
+        passes = engine.forward_passes - passes0
+        carried = rows[-1].get("tokens/paused_carried", 0.0)
+        if decoded != batch + carried:  # every sampled token is trained on or still carried
+            raise RuntimeError(f"{mode}: {decoded} tokens decoded but {batch} trained + "
+                               f"{carried} carried")
+        per_step = [r["tokens/batch"] / r["perf/gen_seconds"] for r in rows[1:]]  # after step 1
+        return {"mode": mode, "gen_seconds": gen_s, "batch_tokens": batch,
+                "decoded_tokens": decoded, "prefill_tokens": engine.prefill_tokens - prefill0,
+                "ticks": passes, "throughput": batch / gen_s,
+                "step_throughput_median": statistics.median(per_step) if per_step else None,
+                "tokens_per_tick": batch / passes,
+                "stale_tokens": sum(r["tokens/stale"] for r in rows),
+                "carried_tokens_end": carried,
+                "mean_length": statistics.mean(r["response/length_mean"] for r in rows)}
 
 
 def main(argv: list[str]) -> int:

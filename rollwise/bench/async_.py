@@ -71,7 +71,7 @@ WORKERS = [1, 2, 4, 8, 16, 32, 64]
 def run_arm(arm: str, seed: int, init: str, root: str, steps: int, eval_every: int,
             target: float, extra: list[str]) -> dict:
     from rollwise.config import load_config
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     name = f"{arm}-s{seed}"
     cfg = load_config(None, BENCH_RUN + [
         f"run.init={init}", f"run.root={root}", f"run.name={name}", f"run.seed={seed}",
@@ -81,7 +81,7 @@ def run_arm(arm: str, seed: int, init: str, root: str, steps: int, eval_every: i
         summary = train(cfg)
     finally:
         if arm.startswith("ray"):
-            from rollwise.loop.ray import shutdown
+            from rollwise.ray_cluster import shutdown
             shutdown()
     rows = [json.loads(line) for line in open(Path(root) / name / "metrics.jsonl")]
     return {"arm": arm, "seed": seed, **measure(rows, target),

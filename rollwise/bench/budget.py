@@ -1,7 +1,8 @@
 """Rollout budgets at equal compute: GRPO with a fixed group size against ARRoL, DUET at 100 %
 and 50 % of the budget, sGPO and DARS.
 
-    rollwise bench budget [--task stepped|longtail] [--seeds 0 1 2] [--tokens N] [--json] [key=value ...]
+    rollwise bench budget [--task stepped|longtail] [--seeds 0 1 2] [--tokens N] [--json]
+                          [key=value ...]
 
 Every method starts from the same warm-start model and trains until it has decoded its share
 of one budget of generated tokens (--tokens; DUET-50 gets half): the tokens the engine decoded,
@@ -32,8 +33,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollwise.bench.jobs import (BENCH_RUN, execute, first_reach, print_keys_and_failures,
-                                 train_to_budget, warm_start_folder)
+from rollwise.bench.jobs import (
+    BENCH_RUN,
+    execute,
+    first_reach,
+    print_keys_and_failures,
+    train_to_budget,
+    warm_start_folder,
+)
 
 
 @dataclass(frozen=True)

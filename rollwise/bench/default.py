@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     rows = []
     for seed in args.seeds:
         shutil.rmtree(Path(args.root) / ".cache", ignore_errors=True)  # time the warm start too
@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
-        per = " | ".join(f"{r['eval_start'][f'eval/pass1/{t}']:.2f}→{r['eval_end'][f'eval/pass1/{t}']:.2f}"
+        start, end = r["eval_start"], r["eval_end"]
+        per = " | ".join(f"{start[f'eval/pass1/{t}']:.2f}→{end[f'eval/pass1/{t}']:.2f}"
                          for t in tiers)
         print(f"| {r['seed']} | {r['start']:.3f} | {r['end']:.3f} | {r['gain']:+.3f} | {per} | "
               f"{r['wall_seconds']:.0f} |")

@@ -70,13 +70,14 @@ def warm_model(cfg: Config, log) -> Path:
     if cfg.model.path:
         return Path(models.resolve_path(cfg.model.path))
     from rollwise.tasks import load_task
-    from rollwise.training.sft import cache_path, warm_start
-    warm_start(cfg, load_task(cfg.task), log=log)
-    return cache_path(cfg)
+    from rollwise.training.sft import warm_start, warm_start_path
+    task = load_task(cfg.task)
+    warm_start(cfg, task, log=log)
+    return warm_start_path(cfg, task)
 
 
 def run_rollwise(cfg: Config, target: float) -> dict:
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     summary = train(cfg)
     rows = [json.loads(x) for x in open(Path(summary["run_dir"]) / "metrics.jsonl")]
     return summarize("rollwise", cfg.run.seed, rollwise_clock(rows), target)
@@ -86,9 +87,10 @@ def run_trl(cfg: Config, warm: Path, target: float, log, micro_batch: int | None
             ) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
     from rollwise import models
     from rollwise.bench.e2e_trl import run_trl as trl_train
-    from rollwise.engine import Engine
+    from rollwise.engine import BuiltinEngine
     from rollwise.evaluate import evaluate
     from rollwise.stages.filter import eval_scorer
     from rollwise.tasks import load_task
@@ -105,7 +107,7 @@ def run_trl(cfg: Config, warm: Path, target: float, log, micro_batch: int | None
         # original model, which a deepcopy would keep calling.
         clone = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
         clone.load_state_dict(model.state_dict())
-        engine = Engine(clone.eval(), max_batch=cfg.engine.max_batch,
+        engine = BuiltinEngine(clone.eval(), max_batch=cfg.engine.max_batch,
                         copy_model=False)
         return evaluate(engine, prompter, task.eval, scorer, cfg.generate.max_new_tokens)
     out_dir = Path(cfg.run.root) / cfg.run.name
@@ -222,7 +224,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.vs == "trl":
         _require_trl()
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
     base = [*DEFAULTS, f"run.threads={args.threads}", *args.overrides,
             f"train.steps={args.steps}", f"run.root={args.root}"]
     warm_cfg = load_config(args.config, [*base, f"run.seed={args.warm_seed}"])
@@ -243,7 +246,8 @@ def main(argv: list[str]) -> int:
     from rollwise.report.report import write_report
     log(f"curves overlaid: {write_report(dirs, Path(args.root) / 'report-e2e.html')}")
     if args.json:
-        finite = (lambda x: None if isinstance(x, float) and math.isinf(x) else x)
+        def finite(x):
+            return None if isinstance(x, float) and math.isinf(x) else x
         out = {"target": args.target, "steps": args.steps, "seeds": args.seeds,
                "results": [{k: finite(v) for k, v in r.items()} for r in results],
                "medians": {fw: {k: finite(v) for k, v in m.items()}

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from rollwise.config import Config
-from rollwise.tasks import Problem
 from rollwise.training.trainer import lr_factor
+from rollwise.types import Problem
 
 
 def trl_batch_args(cfg: Config, micro_batch: int | None = None) -> dict:
@@ -105,7 +105,11 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, prompter,
     every cfg.run.eval_every steps (its time excluded). Writes metrics.jsonl rows in
     rollwise's format, so `rollwise report` can overlay the two frameworks."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers import (
+        AutoModelForCausalLM,
+        PreTrainedTokenizerFast,
+        TrainerCallback,
+    )
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 

@@ -1,7 +1,8 @@
 """ECHO's token statistics on a warm start's sampled responses, to set its thresholds for a
 model (the released ones are for a 7B model's top-10 statistics).
 
-    rollwise bench echo_stats --model DIR [--config configs/stepped.yaml] [--prompts 48] [key=value ...]
+    rollwise bench echo_stats --model DIR [--config configs/stepped.yaml] [--prompts 48]
+                              [key=value ...]
 
 Samples one response per held-out prompt at T = 1 and prints the quantiles of H (top-k
 entropy renormalised), C (-mean log p over the top 5), C_g (mean C over group_window tokens)

@@ -70,8 +70,8 @@ def build_model(preset: str, model_dir: str | None):
 
 
 def run_builtin(model, prompts, lengths, slots) -> int:
-    from rollwise.engine import Engine, Request, SamplingParams
-    engine = Engine(model, max_batch=slots, copy_model=False)
+    from rollwise.engine import BuiltinEngine, Request, SamplingParams
+    engine = BuiltinEngine(model, max_batch=slots, copy_model=False)
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=n), i)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
     return sum(len(c.token_ids) for c in engine.generate(reqs))

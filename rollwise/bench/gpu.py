@@ -18,6 +18,7 @@ here (a large bf16 matmul, a device-to-device copy); MFU is against the vendor p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -25,7 +26,8 @@ import time
 
 import torch
 
-from rollwise.bench.engine import measure  # warm-up, then backends timed in turn, medians
+# measure: warm-up, then backends timed in turn, medians
+from rollwise.bench.engine import measure
 
 # dense bf16 FLOP/s and memory bytes/s by device name (vendor data sheets)
 PEAKS = {"H100 SXM": (989e12, 3.35e12), "H100 NVL": (835e12, 3.9e12),
@@ -99,8 +101,8 @@ def gen_inputs(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_builtin(model, prompts, new_tokens: int) -> int:
-    from rollwise.engine import Engine, Request, SamplingParams
-    engine = Engine(model, max_batch=len(prompts), copy_model=False)
+    from rollwise.engine import BuiltinEngine, Request, SamplingParams
+    engine = BuiltinEngine(model, max_batch=len(prompts), copy_model=False)
     p = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_ids=())
     return sum(len(c.token_ids) for c in engine.generate([Request(x, p, i)
                                                            for i, x in enumerate(prompts)]))
@@ -117,9 +119,7 @@ def run_hf(model, prompts, new_tokens: int) -> int:
 
 def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
     """vLLM on a saved copy (None when vLLM is not importable here)."""
-    try:
-        from vllm import LLMEngine  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("vllm") is None:
         return None
     from rollwise import models
     from rollwise.engine import Request, SamplingParams
@@ -137,7 +137,7 @@ def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
 
 
 def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens: int) -> float:
-    from rollwise.engine.backends import kv_bytes_per_token
+    from rollwise.engine.sizing import kv_bytes_per_token
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = kv_bytes_per_token(model.config, model.dtype) * (prompt_len + new_tokens / 2)
     return batch * peaks["bandwidth"] / (weight_bytes + batch * kv)

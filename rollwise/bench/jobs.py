@@ -51,11 +51,12 @@ def warm_start_folder(config: str | None, overrides: list[str], root: str) -> st
     from rollwise import models
     from rollwise.config import load_config
     from rollwise.tasks import load_task
-    from rollwise.training.sft import cache_path, warm_start
+    from rollwise.training.sft import warm_start, warm_start_path
     cfg = load_config(config, overrides + [f"run.root={root}"])
-    model, tok = warm_start(cfg, load_task(cfg.task),
+    task = load_task(cfg.task)
+    model, tok = warm_start(cfg, task,
                             log=lambda m: print(m, file=sys.stderr, flush=True))
-    path = f"{cache_path(cfg)}-model"
+    path = f"{warm_start_path(cfg, task)}-model"
     models.save(model, tok, path)
     return path
 
@@ -82,30 +83,30 @@ def train_to_budget(config: str | None, overrides: list[str], tokens: float, eva
                     observe: Callable | None = None) -> dict:
     """Build a Run and step it until `tokens` generated tokens are decoded, evaluating
     held-out pass@1 at the start, every `eval_every` steps and at the end (not timed);
-    observe(run, step_result, metrics) after each step. Returns the run, its steps, tokens,
+    observe(run, step_result, metrics) after each step. Returns its steps, tokens,
     seconds (generation + training) and the curve of {step, tokens, seconds, pass1}."""
     import time
 
     from rollwise.config import load_config
     from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.sync import Run
+    from rollwise.loop.run import Run
     from rollwise.report.progress import Progress
-    run = Run(load_config(config, overrides + ["train.steps=100000"]), Progress("quiet"))
-    curve = [{"step": 0, "tokens": 0, "seconds": 0.0, "pass1": run.evaluate()["eval/pass1"]}]
-    used, seconds, step = 0, 0.0, 0
-    while used < tokens:
-        step += 1
-        t0 = time.time()
-        r = run.step(step)
-        seconds += time.time() - t0
-        m = step_metrics(r)
-        used += m["tokens/decoded"]
-        if observe:
-            observe(run, r, m)
-        if step % eval_every == 0 or used >= tokens:
-            curve.append({"step": step, "tokens": used, "seconds": seconds,
-                          "pass1": run.evaluate()["eval/pass1"]})
-    return {"run": run, "steps": step, "tokens": used, "seconds": seconds, "curve": curve}
+    with Run(load_config(config, overrides + ["train.steps=100000"]), Progress("quiet")) as run:
+        curve = [{"step": 0, "tokens": 0, "seconds": 0.0, "pass1": run.evaluate()["eval/pass1"]}]
+        used, seconds, step = 0, 0.0, 0
+        while used < tokens:
+            step += 1
+            t0 = time.time()
+            r = run.step(step)
+            seconds += time.time() - t0
+            m = step_metrics(r)
+            used += m["tokens/decoded"]
+            if observe:
+                observe(run, r, m)
+            if step % eval_every == 0 or used >= tokens:
+                curve.append({"step": step, "tokens": used, "seconds": seconds,
+                              "pass1": run.evaluate()["eval/pass1"]})
+        return {"steps": step, "tokens": used, "seconds": seconds, "curve": curve}
 
 
 def first_reach(curve: list[dict], target: float) -> dict | None:

@@ -37,7 +37,7 @@ def to_target(rows: list[dict], target: float) -> dict:
 
 def one_run(overrides: list[str], target: float) -> dict:
     from rollwise.config import load_config
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     from rollwise.report.data import read_metrics
     cfg = load_config(None, overrides)
     summary = train(cfg)
@@ -50,10 +50,11 @@ def one_run(overrides: list[str], target: float) -> dict:
 def warm_start_dir(base: list[str], log) -> str:
     from rollwise.config import load_config
     from rollwise.tasks import load_task
-    from rollwise.training.sft import cache_path, warm_start
+    from rollwise.training.sft import warm_start, warm_start_path
     cfg = load_config(None, base + ["run.seed=0"])
-    warm_start(cfg, load_task(cfg.task), log=log)
-    return str(cache_path(cfg))
+    task = load_task(cfg.task)
+    warm_start(cfg, task, log=log)
+    return str(warm_start_path(cfg, task))
 
 
 def median(xs: list[float]) -> float:

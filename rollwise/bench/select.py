@@ -47,37 +47,37 @@ DEFAULTS = ["task.train_size=512", "run.log=quiet", "run.report=false", "run.eva
 def run_method(base: list[str], method: str, seed: int, target: float, max_steps: int,
                eval_rollouts: int, root: str, init: str) -> dict:
     from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.sync import Run
+    from rollwise.loop.run import Run
     from rollwise.report.progress import Progress
     from rollwise.stages.control.stage import prompt_outcomes
     cfg = load_config(None, base + METHODS[method] + [
         f"run.seed={seed}", f"train.steps={max_steps}", f"run.root={root}",
         f"run.name=select-{method}-{seed}", f"run.init={init}"])
-    run = Run(cfg, Progress("quiet"))
-    tiers = {p.id: p.tier for p in run.task.train}
-    by_tier: dict[str, list[int]] = {}  # tier -> [groups scored, groups with mixed rewards]
-    mixed = scored = trained = 0
-    reached, curve, next_eval = None, [], eval_rollouts
-    for step in range(1, max_steps + 1):
-        result = run.step(step)
-        for pid, (succ, trials) in prompt_outcomes(result.scored).items():  # kept or not
-            t = by_tier.setdefault(tiers[pid], [0, 0])
-            t[0] += 1
-            t[1] += 0 < succ < trials
-        m = step_metrics(result)
-        mixed += m["groups/mixed_share"] * m["groups/scored"]
-        scored += m["groups/scored"]
-        trained += m["groups/trained"]
-        if run.totals["rollouts"] >= next_eval or step == max_steps:
-            next_eval = run.totals["rollouts"] + eval_rollouts
-            ev = run.evaluate()
-            curve.append((step, run.totals["rollouts"], ev["eval/pass1"]))
-            if ev["eval/pass1"] >= target:
-                reached = {"step": step, "rollouts": run.totals["rollouts"]}
-                break
-    return {"method": method, "seed": seed, "mixed_share": mixed / scored, "reached": reached,
-            "rollouts_total": run.totals["rollouts"], "steps": step, "groups_scored": scored,
-            "groups_trained": trained, "eval_end": ev, "curve": curve, "tiers": by_tier}
+    with Run(cfg, Progress("quiet")) as run:
+        tiers = {p.id: p.tier for p in run.task.train}
+        by_tier: dict[str, list[int]] = {}  # tier -> [groups scored, groups with mixed rewards]
+        mixed = scored = trained = 0
+        reached, curve, next_eval = None, [], eval_rollouts
+        for step in range(1, max_steps + 1):
+            result = run.step(step)
+            for pid, (succ, trials) in prompt_outcomes(result.scored).items():  # kept or not
+                t = by_tier.setdefault(tiers[pid], [0, 0])
+                t[0] += 1
+                t[1] += 0 < succ < trials
+            m = step_metrics(result)
+            mixed += m["groups/mixed_share"] * m["groups/scored"]
+            scored += m["groups/scored"]
+            trained += m["groups/trained"]
+            if run.totals["rollouts"] >= next_eval or step == max_steps:
+                next_eval = run.totals["rollouts"] + eval_rollouts
+                ev = run.evaluate()
+                curve.append((step, run.totals["rollouts"], ev["eval/pass1"]))
+                if ev["eval/pass1"] >= target:
+                    reached = {"step": step, "rollouts": run.totals["rollouts"]}
+                    break
+        return {"method": method, "seed": seed, "mixed_share": mixed / scored, "reached": reached,
+                "rollouts_total": run.totals["rollouts"], "steps": step, "groups_scored": scored,
+                "groups_trained": trained, "eval_end": ev, "curve": curve, "tiers": by_tier}
 
 
 def main(argv: list[str]) -> int:

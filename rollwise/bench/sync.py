@@ -22,9 +22,9 @@ the same weights: the two are measured side by side on the same weights and engi
   and 16-token responses, groups of 4 with binary rewards, fused AdamW.
 
 Reported: density (share of bf16 elements whose stored value changed), bytes of each payload
-(tensor bytes incl. padding, plus the compressed pickled metadata), wall seconds of each push (encode,
-shared-memory hand-off, apply, checksum verify on both sides), and whether the engine was
-bit-identical to the trainer after every sparse sync.
+(tensor bytes incl. padding, plus the compressed pickled metadata), wall seconds of each push
+(encode, shared-memory hand-off, apply, checksum verify on both sides), and whether the engine
+was bit-identical to the trainer after every sparse sync.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def syncs(trainer, proc, coding: str):
 def tiny_rows(args) -> list[dict]:
     from rollwise import models
     from rollwise.config import ModelConfig, TaskConfig, TrainConfig
-    from rollwise.sync import EngineProcess
+    from rollwise.engine.process import EngineProcess
     from rollwise.tasks import load_task
     from rollwise.training.trainer import Trainer
     if args.init:
@@ -226,7 +226,7 @@ def pg_step(model, opt, step: int, batch: int, vocab: int, seed: int) -> float:
 
 
 def large_rows(args) -> list[dict]:
-    from rollwise.sync import EngineProcess
+    from rollwise.engine.process import EngineProcess
     t0 = time.perf_counter()
     model = large_model(args.vocab, args.seed)
     to_bf16_grid(model)
@@ -251,8 +251,8 @@ def large_rows(args) -> list[dict]:
                 rows.append({"model": "0.5b", "params": params, "lr": lr, "step": step,
                              "wire": args.wire, "coding": args.coding,
                              "train_s": train_s,
-                             **measure(sparse, full, pairs, check=step == args.steps or args.check_all,
-                                        peers=peers)})
+                             **measure(sparse, full, pairs, peers=peers,
+                                       check=step == args.steps or args.check_all)})
                 log(args, rows[-1])
             del opt, sparse, full, pairs
     finally:

@@ -31,8 +31,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from rollwise.bench.jobs import (BENCH_RUN, execute, first_reach, print_keys_and_failures,
-                                 train_to_budget, warm_start_folder)
+from rollwise.bench.jobs import (
+    BENCH_RUN,
+    execute,
+    first_reach,
+    print_keys_and_failures,
+    train_to_budget,
+    warm_start_folder,
+)
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
 # ECHO's released thresholds are for a 7B model's top-10 statistics (and H >= 3.5 nats is
@@ -68,7 +74,8 @@ def run_arm(overrides: list[str], part: str, arm: str, seed: int, tokens: int,
 
     def observe(run, r, m):
         steps.append({"mixed": m["groups/mixed_share"], "distinct": distinct_answers(run, r.scored),
-                      "forks": sum(v for k, v in m.items() if k.startswith("decisions/generate/fork")),
+                      "forks": sum(v for k, v in m.items()
+                                   if k.startswith("decisions/generate/fork")),
                       "pruned": sum(v for k, v in m.items()
                                     if k.startswith("decisions/generate/prune")),
                       "prefix_saved": m.get("tokens/prefix_saved", 0.0),

@@ -46,11 +46,11 @@ def score_model(model_dir: str, rows: list[dict], votes: int, temperature: float
                 seed: int = 123) -> dict:
     """Greedy pass@1, sampled pass@1 and maj@votes of a model folder on (prompt, answer) rows."""
     from rollwise import models
-    from rollwise.engine import Engine, Request, SamplingParams
-    from rollwise.stages.filter.extract import normalize
+    from rollwise.engine import BuiltinEngine, Request, SamplingParams
     from rollwise.stages.filter.majority import majority_label
+    from rollwise.tasks.extract import normalize
     model, tok = models.load_model(model_dir)
-    engine = Engine(model, seed=seed, copy_model=False)
+    engine = BuiltinEngine(model, seed=seed, copy_model=False)
 
     def sample(temp: float, n: int) -> dict[int, list[str]]:
         params = SamplingParams(temperature=temp, max_new_tokens=8, stop_ids=(tok.eos_token_id,))
@@ -89,19 +89,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--init", help="warm-start model folder (default: the cached warm start)")
     ap.add_argument("--root", default="runs/bench-ttrl")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("overrides", nargs="*", help="extra section.key=value for the RL runs (after --)")
+    ap.add_argument("overrides", nargs="*",
+                    help="extra section.key=value for the RL runs (after --)")
     args = ap.parse_args(argv)
     args.votes = args.votes or args.group_size
 
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     from rollwise.tasks import load_task
-    from rollwise.training.sft import cache_path, warm_start
+    from rollwise.training.sft import warm_start, warm_start_path
     base = load_config(None, [f"run.root={args.root}", "run.log=quiet"])
     task = load_task(base.task)
     init = args.init
     if init is None:
         warm_start(base, task, log=lambda *a: None)
-        init = str(cache_path(base))
+        init = str(warm_start_path(base, task))
     data = Path(args.root) / "ttrl-heldout.jsonl"
     n = write_heldout(task, args.tiers, data)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
@@ -128,7 +129,8 @@ def main(argv: list[str]) -> int:
                      **{f"end_{k}": v for k, v in end.items()}})
     result = {"prompts": n, "tiers": args.tiers, "temperature": args.temperature,
               "group_size": args.group_size, "prompts_per_step": args.prompts, "kl": args.kl,
-              "overrides": args.overrides, "lr": args.lr, "steps": args.steps, "votes": args.votes, "init": init,
+              "overrides": args.overrides, "lr": args.lr, "steps": args.steps,
+              "votes": args.votes, "init": init,
               "start": start, "runs": runs,
               "median_end": {k: statistics.median(r[f"end_{k}"] for r in runs) for k in start}}
     if args.json:

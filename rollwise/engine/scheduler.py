@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollwise.engine.prefix import PrefixIndex
+
 ROW_ALIGN = 8  # the cache grows in steps of 8 rows and 16 positions: rarely reallocated
 LEN_ALIGN = 16
 

@@ -36,18 +36,20 @@ from pathlib import Path
 
 import torch
 
-from rollwise.engine.engine import Completion, Request, SparseUpdate, _scatter, completion_of
+from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
+from rollwise.engine.builtin import _scatter, completion_of
 from rollwise.engine.sampling import SamplingParams, derived_seed
-from rollwise.engine.scheduler import Event, Sequence, SeqStatus
+from rollwise.engine.scheduler import Event, SeqStatus, Sequence
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     def __init__(self, model_path: str | Path, *, seed: int = 0, version: int = 0,
                  max_batch: int = 64, segment: int = 16, dtype: str = "float32",
                  entropy_logprobs: int = -1, sleep_level: int = 0, **engine_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM (an optional dependency) loads with the first engine
         from vllm import EngineArgs, LLMEngine
         self.model_path = Path(model_path)
         config = json.loads((self.model_path / "config.json").read_text())
@@ -107,6 +109,7 @@ class VLLMEngine:
         self._next_id = state["next_id"]
 
     def _submit(self, seq: Sequence, seed: int) -> None:
+        # vLLM: loaded by now; imported here with its first use
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
         p: SamplingParams = seq.params
@@ -308,6 +311,7 @@ class VLLMEngine:
         """The weights in Hugging Face layout, as loaded from the model folder and updated
         since; weight sync writes here, then calls weights_written."""
         if self._mirror is None:
+            # safetensors: only to read a saved folder back
             from safetensors.torch import load_file
             files = sorted(self.model_path.glob("*.safetensors"))
             if not files:

@@ -69,7 +69,7 @@ class GatedEngine:
     attributes (version, tokens_generated, model) read through."""
 
     def __init__(self, engine, gate: WeightGate):
-        self.inner, self.gate = engine, gate
+        self.inner, self._gate = engine, gate
 
     def __getattr__(self, name: str):
         attr = getattr(self.inner, name)
@@ -78,7 +78,7 @@ class GatedEngine:
             return attr
 
         def gated(*args, **kwargs):
-            with self.gate.shared():
+            with self._gate.shared():
                 return attr(*args, **kwargs)
         return gated
 
@@ -91,8 +91,8 @@ class Pipeline:
                  queued: list[StepResult] = ()):
         self.run, self.eta, self.timeout = run, max_staleness, timeout_s
         self.gate = WeightGate()
-        run.engine = GatedEngine(run.engine, self.gate)
-        cfg = getattr(run, "cfg", None)
+        run.engine, run.gate = GatedEngine(run.engine, self.gate), self.gate
+        cfg = run.cfg  # None: a bare run (tests)
         if cfg is not None and cfg.filter.judge.model is None:  # a judge on the policy's
             run.filter.attach_engine(run.engine, run.tokenizer)  # engine: gated as well
         if cfg is not None and max_staleness > 0 and cfg.train.correction.mode == "none":
@@ -101,8 +101,8 @@ class Pipeline:
                              f"train.correction.mode=tis train.correction.anchor=version "
                              f"train.correction.snapshots={max_staleness} "
                              f"train.correction.vcpo_lr=true (README: asynchronous training)")
-        if hasattr(run.control, "bind"):  # a learned controller reads the engine's weights,
-            run.control.bind(policy=None)  # never the trainer's, which change under it
+        # a learned controller reads the engine's weights, never the trainer's, which change
+        run.control.bind(policy=None)  # under it
         self.cv = threading.Condition()
         self.ready: dict[int, StepResult] = {r.step: r for r in queued}
         self.finished = run.current_step  # trained, evaluated and checkpointed

@@ -1,4 +1,4 @@
-"""A step's metrics, assembled from what the step produced (loop.sync.StepResult): one flat
+"""A step's metrics, assembled from what the step produced (StepResult, below): one flat
 dict per step for metrics.jsonl, TensorBoard and the report."""
 
 from __future__ import annotations

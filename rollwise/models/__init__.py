@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast,
-                          Qwen2Config)
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 from transformers.utils import logging as hf_logging
 
 from rollwise.config import ModelConfig
@@ -98,6 +97,11 @@ def _from_pretrained(cls, where: str, **kwargs):
                 "check the id and the network, or give a local folder")
         raise FileNotFoundError(f"{where}: the Hugging Face hub could not provide it ({hint}; "
                                 f"{type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
+    """The tokenizer `build(cfg)` gives, without building the model."""
+    return load_tokenizer(cfg.path) if cfg.path else char_tokenizer()
 
 
 def build(cfg: ModelConfig, seed: int = 0):

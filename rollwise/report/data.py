@@ -112,6 +112,7 @@ def read_lengths(store_dir: Path, max_steps: int = 200) -> dict[int, list[int]]:
     if len(files) > max_steps:
         files = [files[round(i * (len(files) - 1) / (max_steps - 1))] for i in range(max_steps)]
     try:
+        # pyarrow: only when a run's rollouts are read
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
         out: dict[int, list[int]] = {}

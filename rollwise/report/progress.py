@@ -68,9 +68,11 @@ class Progress:
 
     def _start_bar(self) -> None:
         """Two lines that fit 80 columns: the bar with phase and ETA, then the metrics."""
+        # rich: only for a live terminal
         from rich.console import Console, Group
         from rich.live import Live
-        from rich.progress import BarColumn, Progress as RichProgress, TextColumn
+        from rich.progress import BarColumn, TextColumn
+        from rich.progress import Progress as RichProgress
         from rich.text import Text
 
         class Info:  # re-read at each refresh

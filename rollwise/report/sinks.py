@@ -18,6 +18,10 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from rollwise.report.data import read_metrics
+from rollwise.stages.filter import import_object
+from rollwise.store.fsio import atomic_write
+
 
 @runtime_checkable
 class MetricSink(Protocol):
@@ -45,8 +49,6 @@ class JsonlSink:
         (a resumed run writes the later steps again)."""
         self.path = Path(path)
         if resume_step is not None and self.path.exists():
-            from rollwise.report.data import read_metrics
-            from rollwise.store.fsio import atomic_write
             rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in rows).encode())
         self._f = open(self.path, "a" if resume_step is not None else "w")
@@ -67,6 +69,7 @@ class TensorBoardSink:
     """Scalars under their metric names in <run>/tensorboard (`tensorboard --logdir runs`)."""
 
     def __init__(self, logdir: str | Path, purge_step: int | None = None):
+        # optional: only when the sink is configured
         from torch.utils.tensorboard import SummaryWriter
         self.logdir = Path(logdir)
         self._w = SummaryWriter(log_dir=str(self.logdir), purge_step=purge_step)
@@ -85,6 +88,7 @@ class WandbSink:
     """One wandb run per rollwise run; offline mode works without a network (WANDB_MODE)."""
 
     def __init__(self, run_dir: Path, cfg, project: str):
+        # optional: only when the sink is configured
         import wandb
         self._run = wandb.init(project=project, name=cfg.run.name, dir=str(run_dir),
                                config=cfg.model_dump(mode="json"), reinit=True)
@@ -98,7 +102,6 @@ class WandbSink:
 
 def load_user_sink(path: str, run_dir: Path, cfg) -> MetricSink:
     """Instantiate 'package.module:factory' as factory(run_dir, cfg); check the protocol."""
-    from rollwise.stages.filter import import_object
     try:
         factory: Callable = import_object(path)
     except ValueError as e:

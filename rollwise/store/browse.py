@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from rollwise.config import ConfigError
+
 JSON_COLUMNS = ("rewards", "meta", "timings")
 
 
@@ -40,17 +42,15 @@ def add_parser(sub) -> None:
 
 
 def open_store(run: str):
-    from rollwise.config import ConfigError
-    from rollwise.store.rollouts import RolloutStore
     path = Path(run)
     root = path if path.name == "rollouts" else path / "rollouts"
     if not root.is_dir():
         raise ConfigError(f"{run}: no rollouts/ folder; give a run directory, e.g. runs/default")
+    from rollwise.store.rollouts import RolloutStore  # torch: only once a run is read
     return RolloutStore(root, log=lambda msg: print(msg, file=sys.stderr))
 
 
 def step_range(text: str) -> tuple[int | None, int | None]:
-    from rollwise.config import ConfigError
     lo, sep, hi = text.partition(":")
     try:
         a = int(lo) if lo else None
@@ -64,6 +64,7 @@ def select(table, step: str | None = None, prompt: str | None = None,
            min_reward: float | None = None, max_reward: float | None = None,
            status: str | None = None):
     """The rows of the pyarrow table that pass every given filter."""
+    # pyarrow: only when rollouts are listed or exported
     import pyarrow as pa
     import pyarrow.compute as pc
     keep = pa.array([True] * table.num_rows)
@@ -95,6 +96,7 @@ def plain_rows(table) -> list[dict]:
 
 
 def export(table, path: str) -> Path:
+    # pyarrow: only on export
     import pyarrow.parquet as pq
     out = Path(path)
     if out.suffix == ".jsonl":

@@ -140,14 +140,15 @@ def set_rng_state(state: dict, run_rng: random.Random) -> None:
 
 
 def engine_state(engine) -> dict | None:
-    """The engine's own state (its request-seed stream: requests without a seed draw from it)."""
-    return engine.state_dict() if hasattr(engine, "state_dict") else None
+    """The engine's own state (its request-seed stream: requests without a seed draw from it);
+    None for an engine that keeps none."""
+    return engine.state_dict() or None
 
 
 def set_engine_state(engine, state: dict | None) -> bool:
-    """Restore engine_state's result; False when this engine cannot take it (then sampling
-    after the resume differs from an uninterrupted run)."""
-    if state is None or not hasattr(engine, "load_state_dict"):
+    """Restore engine_state's result; False when there is none (then sampling after the
+    resume differs from an uninterrupted run)."""
+    if not state:
         return False
     engine.load_state_dict(state)
     return True
@@ -157,30 +158,11 @@ def set_engine_state(engine, state: dict | None) -> bool:
 
 def trainer_state(trainer) -> dict:
     """Model, optimizer, scheduler, policy version, kept snapshots and reference model."""
-    if hasattr(trainer, "state_dict"):
-        return {"state_dict": trainer.state_dict()}
-    ref = getattr(trainer, "ref_model", None)
-    return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "scheduler": trainer.scheduler.state_dict(), "version": trainer.version,
-            "snapshots": getattr(trainer, "_snapshots", {}),
-            "ref_model": ref.state_dict() if ref is not None else None,
-            "master": trainer.master.state_dict() if getattr(trainer, "master", None) else None}
+    return trainer.state_dict()
 
 
 def set_trainer_state(trainer, state: dict) -> None:
-    if "state_dict" in state:
-        trainer.load_state_dict(state["state_dict"])
-        return
-    trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.version = state["version"]
-    if hasattr(trainer, "_snapshots"):
-        trainer._snapshots = state["snapshots"]
-    if state["ref_model"] is not None and getattr(trainer, "ref_model", None) is not None:
-        trainer.ref_model.load_state_dict(state["ref_model"])
-    if state.get("master") is not None and getattr(trainer, "master", None):
-        trainer.master.load_state_dict(state["master"])
+    trainer.load_state_dict(state)
 
 
 # ------------------------------------------------------------------------------- Ctrl-C

@@ -9,7 +9,7 @@ Phases (several may be given, comma separated; the first one reached fires):
     train       after the first optimizer step of the update (the model half updated)
     checkpoint  the checkpoint's state file half written
 
-Unset (normal use), every check is one environment lookup. tests/test_crash_resume.py and
+Unset (normal use), every check is one environment lookup. tests/loop/test_crash_resume.py and
 `rollwise bench crash` use it to check that a resumed run equals an uninterrupted one.
 """
 
@@ -65,7 +65,7 @@ def instrument(run) -> None:
     if ENV not in os.environ:
         return
     points = _points()
-    if any(p == "generate" for p, _ in points) and hasattr(run.engine, "step"):
+    if any(p == "generate" for p, _ in points):
         engine_step, calls = run.engine.step, {}
 
         def step_then_maybe_kill(*args, **kwargs):

@@ -4,7 +4,7 @@ changes, one to apply them (see coding.py for the format)."""
 import numpy as np
 from numba import njit
 
-from rollwise.sync.coding import CODE_LARGE, CODE_MINUS, CODE_PLUS, CODE_SMALL, SHORT_GAP
+from rollwise.sync.code_table import CODE_LARGE, CODE_MINUS, CODE_PLUS, CODE_SMALL, SHORT_GAP
 
 
 @njit(cache=True, nogil=True)

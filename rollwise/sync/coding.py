@@ -32,8 +32,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-SHORT_GAP = 256  # gaps 1..255 fit a byte; 0 marks a long one
-CODE_PLUS, CODE_MINUS, CODE_SMALL, CODE_LARGE = 0, 1, 2, 3
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 

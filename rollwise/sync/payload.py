@@ -42,6 +42,18 @@ def to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def to_wire(t: torch.Tensor) -> tuple[bytes, str, tuple[int, ...]]:
+    """A tensor as plain bytes: pickling a tensor into a pipe would move the parent's storage
+    into shared memory as a side effect."""
+    t = t.detach().contiguous()
+    return bytes(t.reshape(-1).view(torch.uint8).numpy()), dtype_name(t.dtype), tuple(t.shape)
+
+
+def from_wire(w) -> torch.Tensor:
+    data, dtype, shape = w
+    return torch.frombuffer(bytearray(data), dtype=to_dtype(dtype)).reshape(shape)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The same bytes as an integer tensor: equality is then bit for bit (NaN == NaN with the
     same payload, -0.0 != +0.0), which is what 'the engine holds the same weights' means."""

@@ -50,6 +50,7 @@ def positions_decode(old: Bits, payload) -> Bits:
 
 
 def xor_zstd(level: int) -> tuple[Callable, Callable]:
+    # zstandard: optional, only to measure the peers' formats
     import zstandard
 
     def encode(old: Bits, new: Bits):

@@ -16,10 +16,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollwise.sync.errors import ChecksumError, CorruptPayloadError, StaleEngineError, SyncError
 from rollwise.sync import coding, context_coding
-from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, dtype_name,
-                                   entry_views, plan, specs, unique_tensors)
+from rollwise.sync.errors import ChecksumError, CorruptPayloadError, StaleEngineError, SyncError
+from rollwise.sync.payload import (
+    Item,
+    PayloadMeta,
+    TensorSpec,
+    bits,
+    checksum,
+    dtype_name,
+    entry_views,
+    plan,
+    specs,
+    unique_tensors,
+)
 
 
 @dataclass

@@ -22,9 +22,20 @@ import numpy as np
 import torch
 
 from rollwise.sync import coding, context_coding
-from rollwise.sync.payload import (Item, PayloadMeta, TensorSpec, bits, checksum, digest,
-                                   dtype_name, entry_views, index_dtype, plan, sparse_wins,
-                                   to_dtype)
+from rollwise.sync.payload import (
+    Item,
+    PayloadMeta,
+    TensorSpec,
+    bits,
+    checksum,
+    digest,
+    dtype_name,
+    entry_views,
+    index_dtype,
+    plan,
+    sparse_wins,
+    to_dtype,
+)
 
 Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 arena the transport can move
 

@@ -5,7 +5,10 @@ can read the engine's weights back for check mode.
 - `InProcessTransport`: the engine lives in this process; the arena is a reused buffer.
 - `ProcessTransport`: the engine lives in a child process on this machine (`EngineProcess`);
   the arena is a POSIX shared-memory segment both processes map, and only the small metadata
-  goes through a pipe. The Ray issue adds Ray's object store and NCCL broadcast per bucket.
+  goes through a pipe.
+
+An engine gives its own (`Engine.sync_transport`): a Ray worker pool's puts each payload in
+Ray's object store once (rollwise.engine.ray_pool.PoolTransport).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 
 from rollwise.sync.payload import PayloadMeta, entry_views, to_dtype
 from rollwise.sync.receiver import Ack, EngineState, Receiver
+
+WIRES = {"process": "shm", "socket": "socket"}  # sync.transport -> the child's Engine.wire
 
 
 class Transport(Protocol):
@@ -104,7 +109,7 @@ def check_shm_space(nbytes: int, path: str = "/dev/shm") -> None:
 
 
 class ProcessTransport:
-    """Parent side of an engine in a child process; see rollwise/sync/engine_proc.py."""
+    """Parent side of an engine in a child process; see rollwise/engine/process.py."""
 
     def __init__(self, proc):
         self.proc = proc
@@ -122,5 +127,5 @@ class ProcessTransport:
         spec = self.state().spec
         meta, arena = self.proc.export()
         views = entry_views(meta, arena)
-        return {n: views[n][0].clone().view(s.shape) if n in views else torch.empty(s.shape, dtype=to_dtype(s.dtype))
-                for n, s in spec.items()}
+        return {n: views[n][0].clone().view(s.shape) if n in views
+                else torch.empty(s.shape, dtype=to_dtype(s.dtype)) for n, s in spec.items()}

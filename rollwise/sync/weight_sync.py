@@ -22,7 +22,7 @@ from rollwise.sync.errors import SyncError, WeightMismatchError
 from rollwise.sync.payload import PayloadMeta, bits, pack_meta, specs, to_dtype, unique_tensors
 from rollwise.sync.receiver import Ack
 from rollwise.sync.sender import Sender
-from rollwise.sync.transport import InProcessTransport, ProcessTransport, Transport
+from rollwise.sync.transport import WIRES, InProcessTransport, ProcessTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -112,21 +112,12 @@ def check_same_tensors(trainer_spec, engine_spec) -> None:
                              f"{s.shape}")
 
 
-def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
-    """The weight sync `cfg` asks for between this trainer and this engine (an in-process
-    `Engine`, an `EngineProcess` or a vLLM engine; rollwise.engine.backends.build_engine)."""
-    from rollwise.sync.engine_proc import WIRES, EngineProcess
-    if hasattr(engine, "sync_transport"):  # Ray's worker pool: one object-store put per payload
-        return WeightSync(trainer, engine.sync_transport(), mode=cfg.mode,
-                          with_checksum=cfg.checksum, check=cfg.check, bucket_mb=cfg.bucket_mb,
-                          coding=cfg.coding)
-    in_child = isinstance(engine, EngineProcess)
-    wire = WIRES.get(cfg.transport)
-    if in_child != (wire is not None) or (in_child and engine.wire != wire):
-        where = (f"a child process (wire {engine.wire})" if in_child else "this process")
+def check_placement(cfg: SyncConfig, engine, transport) -> None:
+    """The engine lives where sync.transport says, holding weights of sync.engine_dtype."""
+    if engine.wire != WIRES.get(cfg.transport):
+        where = f"a child process (wire {engine.wire})" if engine.wire else "this process"
         raise ValueError(f"sync.transport={cfg.transport} but the engine lives in {where}; "
                          f"build it with rollwise.engine.backends.build_engine(cfg, model)")
-    transport = ProcessTransport(engine) if in_child else InProcessTransport(engine)
     if cfg.engine_dtype != "same":
         wrong = {n: s.dtype for n, s in transport.state().spec.items()
                  if s.dtype != cfg.engine_dtype and to_dtype(s.dtype).is_floating_point}
@@ -134,5 +125,14 @@ def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
             raise ValueError(f"sync.engine_dtype={cfg.engine_dtype} but the engine holds "
                              f"{sorted(set(wrong.values()))} weights (e.g. {next(iter(wrong))}); "
                              f"build it with rollwise.engine.backends.build_engine(cfg, model)")
+
+
+def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
+    """The weight sync `cfg` asks for between this trainer and this engine (an in-process
+    engine, one in a child process, a Ray worker pool or vLLM;
+    rollwise.engine.backends.build_engine)."""
+    transport = engine.sync_transport()
+    if isinstance(transport, (InProcessTransport, ProcessTransport)):  # not a Ray pool's
+        check_placement(cfg, engine, transport)
     return WeightSync(trainer, transport, mode=cfg.mode, with_checksum=cfg.checksum,
                       check=cfg.check, bucket_mb=cfg.bucket_mb, coding=cfg.coding)

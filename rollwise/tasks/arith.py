@@ -18,20 +18,27 @@ from __future__ import annotations
 import random
 
 from rollwise.config import TaskConfig
-from rollwise.tasks import Problem, draw_unique
+from rollwise.tasks.base import Task, draw_unique
+from rollwise.types import Problem
 
 WIDTH = 10  # prompt width in characters, left-padded with spaces
 
 
-def _add2(r: random.Random): a, b = r.randint(10, 99), r.randint(10, 99); return f"{a}+{b}=", a + b
+def _add2(r: random.Random):
+    a, b = r.randint(10, 99), r.randint(10, 99)
+    return f"{a}+{b}=", a + b
 def _sub2(r: random.Random):
     a, b = sorted((r.randint(10, 99), r.randint(10, 99)), reverse=True)
     return f"{a}-{b}=", a - b
-def _add3(r: random.Random): a, b = r.randint(100, 999), r.randint(100, 999); return f"{a}+{b}=", a + b
+def _add3(r: random.Random):
+    a, b = r.randint(100, 999), r.randint(100, 999)
+    return f"{a}+{b}=", a + b
 def _chain(r: random.Random):
     a, b, c = (r.randint(10, 99) for _ in range(3))
     return f"{a}+{b}-{c}=", a + b - c
-def _mul1(r: random.Random): a, b = r.randint(2, 9), r.randint(10, 99); return f"{a}*{b}=", a * b
+def _mul1(r: random.Random):
+    a, b = r.randint(2, 9), r.randint(10, 99)
+    return f"{a}*{b}=", a * b
 
 
 def _stepped(digits: int):
@@ -90,8 +97,7 @@ def noisy_answer(value: int, rng: random.Random) -> str:
     return ("-" if value < 0 else "") + s
 
 
-class ArithTask:
-    score_fn = None
+class ArithTask(Task):
     plain_prompts = True  # the character model's own format: no chat template under 'auto'
 
     def __init__(self, cfg: TaskConfig):

@@ -23,8 +23,9 @@ from __future__ import annotations
 import random
 
 from rollwise.config import TaskConfig
-from rollwise.tasks import Problem, draw_unique
 from rollwise.tasks.arith import noisy_answer
+from rollwise.tasks.base import Task, draw_unique
+from rollwise.types import Problem
 
 
 def _small(r: random.Random): return r.randint(0, 19), "+", r.randint(0, 19)
@@ -57,10 +58,9 @@ def stop_after(n_calls: int, rng: random.Random) -> int:
     return 0 if n_calls < 2 else 1 if n_calls == 2 else rng.randint(1, n_calls - 1)
 
 
-class CalcTask:
-    score_fn = None
+class CalcTask(Task):
     plain_prompts = True
-    needs_episodes = True  # its worked solutions and answers are tool-using episodes
+    played_as = "episodes"  # its worked solutions and answers are tool-using episodes
 
     def __init__(self, cfg: TaskConfig):
         # task.tiers left at its default (the arith task's tiers) means this task's own

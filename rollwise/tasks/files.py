@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rollwise.config import TaskConfig
-from rollwise.stages.filter.extract import task_extractor
-from rollwise.tasks import Problem
+from rollwise.tasks.base import Task
+from rollwise.tasks.extract import task_extractor
 from rollwise.tasks.prompts import check_messages
+from rollwise.types import Problem
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 def _file_rows(path: Path):
     """(line number, row dict or error text) for each record of a .jsonl or .parquet file."""
     if path.suffix == ".parquet":
+        # pyarrow: only for a Parquet file
         import pyarrow.parquet as pq
         for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
             yield i, row
@@ -120,8 +122,7 @@ def held_out_split(rows: list, n: int, seed: int) -> tuple[list, list]:
     return ([r for i, r in enumerate(rows) if i not in held],
             [r for i, r in enumerate(rows) if i in held])
 
-class FileTask:
-    score_fn = None
+class FileTask(Task):
 
     def __init__(self, cfg: TaskConfig, rows: Any = None, eval_rows: Any = None):
         """rows / eval_rows: in-memory datasets in place of task.path / task.eval_path."""

@@ -20,8 +20,9 @@ import difflib
 from typing import Any, Iterator
 
 from rollwise.config import ConfigError, TaskConfig
-from rollwise.stages.filter.extract import task_extractor
-from rollwise.tasks import Problem, draw_unique
+from rollwise.tasks.base import Task, draw_unique
+from rollwise.tasks.extract import task_extractor
+from rollwise.types import Problem
 
 # reasoning-gym seeds item i of a dataset with seed + i, so seeds s and s + 1 give the same
 # problems one index apart: the held-out set's seed lies beyond any training index.
@@ -100,6 +101,7 @@ def _tuples(settings: dict[str, Any], config_cls) -> dict[str, Any]:
 def make_dataset(chosen: list[Spec], size: int, seed: int):
     """reasoning-gym's composite dataset over `chosen` (its draw: a dataset per index by
     weight, then that dataset's item)."""
+    # reasoning-gym: only for gym tasks (it imports many datasets)
     import reasoning_gym
     from reasoning_gym.composite import DatasetSpec
     from reasoning_gym.factory import DATASETS
@@ -107,7 +109,7 @@ def make_dataset(chosen: list[Spec], size: int, seed: int):
         DatasetSpec(s.name, s.weight, _tuples(s.settings, DATASETS[s.name][1])) for s in chosen])
 
 
-class GymTask:
+class GymTask(Task):
     def __init__(self, cfg: TaskConfig):
         self._extract = task_extractor(cfg.answer_format)
         self.specs = specs(cfg.name, cfg.gym)

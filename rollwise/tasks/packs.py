@@ -4,7 +4,7 @@ learned from one task to the next only in a hint it writes itself.
 
 The built-in packs remap an operator: in one pack `a#b` means a+b, in another a-b or a*b
 (one-digit operands, a >= b). Each train pack holds 4 tasks, each eval pack 8. The pack
-environment `remap` (registry kind 'pack', rollwise.agents.packs) writes the episodes' texts:
+environment `remap` (registry kind 'pack', rollwise.agents.pack_play) writes the episodes' texts:
 
     solve:   "hint:<hint>;7#3="                      -> "10"
     update:  "hint:<hint>;7#3=10;ok;7#3=10;new:"     -> "plus"   (the next hint)
@@ -25,17 +25,17 @@ from __future__ import annotations
 import random
 
 from rollwise.config import TaskConfig
-from rollwise.tasks import Problem
+from rollwise.tasks.base import Task
+from rollwise.types import Problem
 
 RULES = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 TRAIN_SIZE, EVAL_SIZE = 4, 8  # tasks per pack (CoD: 4 in training, 8 in evaluation)
 MAX_HINT = 8  # characters a hint may have without penalty
 
 
-class PacksTask:
-    score_fn = None
+class PacksTask(Task):
     plain_prompts = True
-    needs_packs = True  # played by generate.strategy=cod
+    played_as = "packs"  # played by generate.strategy=cod
 
     def __init__(self, cfg: TaskConfig):
         rng = random.Random(cfg.seed)
@@ -55,7 +55,7 @@ class PacksTask:
     def extract_answer(self, response: str) -> str | None:
         return response.strip() or None
 
-    # ---- the warm start's teacher (rollwise.agents.packs.pack_examples) -----------------------
+    # ---- the warm start's teacher (rollwise.agents.pack_play.pack_examples) -------------------
     def teacher_answer(self, problem: Problem, i: int, hint: str, rng: random.Random) -> str:
         """The answer by the rule the hint names, else by a guessed rule."""
         rule = hint if hint in RULES else rng.choice(sorted(RULES))
@@ -75,7 +75,7 @@ class PacksTask:
 
 
 class RemapPack:
-    """The pack environment of PacksTask problems (rollwise.agents.packs.PackEnvironment)."""
+    """The pack environment of PacksTask problems (rollwise.agents.pack_play.PackEnvironment)."""
 
     def __init__(self, cfg, problem: Problem):
         self.rule = RULES[problem.data["rule"]]

@@ -61,7 +61,7 @@ class Prompter:
     def for_task(cls, cfg: TaskConfig, tokenizer, task, model=None) -> "Prompter":
         """The prompter of a task (built-in arith keeps plain prompts under 'auto'), with the
         model's generation eos ids among the stop tokens."""
-        return cls(cfg, tokenizer, plain_task=bool(getattr(task, "plain_prompts", False)),
+        return cls(cfg, tokenizer, plain_task=task.plain_prompts,
                    model_config=getattr(model, "generation_config", None))
 
     def messages(self, prompt: str | list[dict]) -> list[dict]:

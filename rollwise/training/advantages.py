@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rollwise import registry
-
+from rollwise.training.cod import baseline_advantages, red_reweight
+from rollwise.training.tree_credit import TreeRecord, tree_advantages
 
 
 @dataclass
@@ -29,6 +30,8 @@ class AdvantageInputs:
     channel_weights: dict[str, float] = field(default_factory=dict)  # missing name -> 1.0
     meta: list[dict] = field(default_factory=list)  # each sample's meta (CoD's keys, returns)
     tokens: torch.Tensor | None = None  # (N,) trained tokens per sample (CoD's RED weights)
+    partial_channels: dict[str, str] = field(default_factory=dict)  # channel -> a sample
+    # that lacks it (GDPO needs every channel on every sample)
 
 
 @dataclass
@@ -116,7 +119,6 @@ def cod(x: AdvantageInputs) -> AdvantageOutput:
     """Connect-the-Dots (docs/methods.md#cod): each sample's reward-to-go over its pack
     (meta['cod_return']) minus the mean over the samples with the same (pack, episode type,
     index) (meta['cod_key']), then RED reweighting by trained tokens (rollwise.training.cod)."""
-    from rollwise.training.cod import baseline_advantages, red_reweight
     missing = [i for i, m in enumerate(x.meta) if "cod_key" not in m or "cod_return" not in m]
     if missing or len(x.meta) != len(x.rewards):
         raise ValueError("train.advantage = 'cod' needs every sample's meta['cod_key'] (pack, "
@@ -133,7 +135,6 @@ def cod(x: AdvantageInputs) -> AdvantageOutput:
 def trace(x: AdvantageInputs) -> AdvantageOutput:
     """TRACE (docs/methods.md#trace): each reward minus the mean over the samples continued from
     the same prefix (meta['trace_anchor'], written by generate.strategy=trace)."""
-    from rollwise.training.cod import baseline_advantages
     if len(x.meta) != len(x.rewards) or any("trace_anchor" not in m for m in x.meta):
         raise ValueError("train.advantage = 'trace' needs every sample's meta['trace_anchor'], "
                          "as generate.strategy=trace writes it")
@@ -147,7 +148,6 @@ def trace_tree(x: AdvantageInputs) -> AdvantageOutput:
     a root episode's turn k gets the value of the prefix after it less the value of the prefix
     before it, each estimated from every episode that passed through; a continuation gets its
     reward less its anchor's value. With no continuations below a root it equals `trace`."""
-    from rollwise.agents.trace import TreeRecord, tree_advantages
     if len(x.meta) != len(x.rewards) or any("trace_anchor" not in m for m in x.meta):
         raise ValueError("train.advantage = 'trace_tree' needs every sample's "
                          "meta['trace_anchor'] (and a root's meta['trace_cuts']), as "
@@ -204,6 +204,10 @@ def gdpo(x: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutput:
     the channels are summed with weights w_k and the sum is whitened over the batch,
     A = whiten_B(sum_k w_k A_k). GRPO normalises the *sum*, which maps distinct channel
     combinations with equal totals to one advantage; GDPO keeps them apart."""
+    if x.partial_channels:
+        name, uid = next(iter(x.partial_channels.items()))
+        raise ValueError(f"train.advantage = 'gdpo': sample {uid} lacks reward channel "
+                         f"{name!r}; every sample needs the same channels")
     if not x.channels:
         raise ValueError("train.advantage = 'gdpo' needs named reward channels "
                          "(Sample.rewards); none were given")

@@ -1,7 +1,7 @@
 """Supervised warm start on the task's worked solutions, with noise so RL has work to do.
 
 `rollwise sft` runs it on its own; `rollwise train` runs it first when no initial model is
-given and caches the result under <run.root>/.cache/sft-<hash of the settings>.
+given and caches the result under <run.root>/.cache/sft-<hash of the settings and examples>.
 """
 
 from __future__ import annotations
@@ -16,46 +16,25 @@ import torch
 
 from rollwise import models
 from rollwise.config import Config
+from rollwise.stages.generate import build_generator
 from rollwise.tasks import Task
 
 
-def cache_path(cfg: Config) -> Path:
+def cache_path(cfg: Config, examples: list[tuple]) -> Path:
+    """Where the warm start of these settings and examples is kept: the examples are part of
+    the key, so whatever writes them (the task, a generator's environment) invalidates it."""
+    digest = hashlib.sha256(json.dumps(examples).encode()).hexdigest()
     parts = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
-             "sft": cfg.sft.model_dump(), "seed": cfg.run.seed}
-    g = cfg.generate
-    if g.strategy in ("episode", "trace", "cod"):
-        # the environment writes part of the transcripts the warm start learns from
-        parts["episode"] = [g.env, g.tools, g.tool_format]
+             "sft": cfg.sft.model_dump(), "seed": cfg.run.seed, "examples": digest}
     key = json.dumps(parts, sort_keys=True)
     return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def sft_examples(task: Task, tokenizer, noise: float | dict[str, float],
-                 seed: int) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) for every train problem with a worked solution; `noise` is
-    one share for every tier or a share per tier (a tier left out is clean)."""
-    if isinstance(noise, dict):
-        unknown = set(noise) - {p.tier for p in task.train}
-        if unknown:
-            raise ValueError(f"sft.noise names tier(s) {sorted(unknown)} that the task's train "
-                             f"set does not have; use tiers of task.tiers")
-    rng = random.Random(seed)
-    out = []
-    for p in task.train:
-        if p.solution is None:
-            continue
-        if hasattr(task, "worked_solution"):  # built-in tiers: noise and filler
-            share = noise.get(p.tier, 0.0) if isinstance(noise, dict) else noise
-            solution = task.worked_solution(p, rng, noisy=share > 0 and rng.random() < share)
-        else:
-            solution = p.solution
-        prompt = tokenizer(p.prompt)["input_ids"]
-        out.append((prompt + tokenizer(solution)["input_ids"] + [tokenizer.eos_token_id],
-                    len(prompt)))
-    if not out:
-        raise ValueError("the task has no worked solutions to warm-start from; "
-                         "pass run.init=<model folder> instead")
-    return out
+def examples_for(cfg: Config, task: Task, tokenizer) -> list[tuple]:
+    """The warm start's examples, as the run's generation strategy writes them (an agent
+    strategy: the teacher's transcripts with the environment's turns; default: the task's
+    worked solutions)."""
+    return build_generator(cfg, tokenizer).warm_start_examples(cfg, task, tokenizer)
 
 
 def collate(examples, pad_id: int):
@@ -74,22 +53,11 @@ def collate(examples, pad_id: int):
     return ids, attn, labels
 
 
-def examples_for(cfg: Config, task: Task, tokenizer):
-    """A task that plays episodes (task.worked_actions) is warm-started on the teacher's
-    transcripts, environment included; others on their worked solutions."""
-    if hasattr(task, "worked_actions"):
-        from rollwise.agents.transcripts import episode_examples
-        return episode_examples(cfg, task, tokenizer, cfg.sft.noise, cfg.run.seed)
-    if hasattr(task, "teacher_hint"):  # Connect-the-Dots packs, played by the teacher
-        from rollwise.agents.packs import pack_examples
-        return pack_examples(cfg, task, tokenizer, cfg.sft.noise, cfg.run.seed)
-    return sft_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed)
-
-
-def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None):
+def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None,
+              examples: list[tuple] | None = None):
     """Train in place for cfg.sft.steps; eval_fn(model) -> metrics dict, every eval_every."""
     c = cfg.sft
-    examples = examples_for(cfg, task, tokenizer)
+    examples = examples if examples is not None else examples_for(cfg, task, tokenizer)
     rng = random.Random(cfg.run.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=0.01)
     warm = max(1, c.steps // 20)
@@ -117,16 +85,22 @@ def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None
     return model
 
 
+def warm_start_path(cfg: Config, task: Task) -> Path:
+    """The folder `warm_start(cfg, task)` saves to (and reads back)."""
+    return cache_path(cfg, examples_for(cfg, task, models.build_tokenizer(cfg.model)))
+
+
 def warm_start(cfg: Config, task: Task, log=print, eval_fn=None):
     """The cached warm-start model and tokenizer, training it if it is not cached yet."""
-    path = cache_path(cfg)
+    examples = examples_for(cfg, task, models.build_tokenizer(cfg.model))
+    path = cache_path(cfg, examples)
     if (path / "config.json").exists():
         log(f"warm start: cached at {path}")
         return models.load_model(path, cfg.model.dtype)
     model, tok = models.build(cfg.model, seed=cfg.run.seed)
     log(f"warm start: {models.num_params(model) / 1e6:.2f}M-parameter model, "
         f"{cfg.sft.steps} SFT steps (cached afterwards at {path})")
-    train_sft(model, tok, task, cfg, log=log, eval_fn=eval_fn)
+    train_sft(model, tok, task, cfg, log=log, eval_fn=eval_fn, examples=examples)
     path.parent.mkdir(parents=True, exist_ok=True)
     models.save(model, tok, path)
     return model, tok

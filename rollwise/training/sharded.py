@@ -1,6 +1,6 @@
 """train.world_size > 1: the trainer as N ranks, each holding a shard of the model (FSDP2,
 `torch.distributed.fsdp.fully_shard`; gloo on CPU, NCCL on GPU): spawned processes on this
-machine (ProcessRanks), or Ray actors with loop.backend=ray (rollwise.loop.ray.RayRanks).
+machine (ProcessRanks), or Ray actors with loop.backend=ray (rollwise.training.ray_ranks.RayRanks).
 
     trainer = ShardedTrainer(model, cfg.train, pad_id=tok.pad_token_id, world_size=2)
     metrics = trainer.update(groups)     # every rank updates; the full weights come back
@@ -23,8 +23,12 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-from rollwise.sync.engine_proc import _unwire, _wire
+from rollwise.sync.payload import from_wire, to_wire
+from rollwise.training.trainer import Trainer
 
 
 class TrainerRankError(RuntimeError):
@@ -40,7 +44,7 @@ def _free_port() -> int:
 class ShardedTrainer:
     """The Trainer's interface (update, weights, version, state_dict) over FSDP2 ranks.
     `ranks(init, world, timeout)` starts them: ProcessRanks here (spawned processes), or
-    rollwise.loop.ray.RayRanks (Ray actors, loop.backend=ray)."""
+    rollwise.training.ray_ranks.RayRanks (Ray actors, loop.backend=ray)."""
 
     def __init__(self, model, cfg, *, pad_id: int, seed: int = 0, world_size: int = 2,
                  timeout_s: float = 1800.0, ranks=None):
@@ -55,7 +59,7 @@ class ShardedTrainer:
         self.world = world_size
         init = {"cls": type(model), "config": model.config, "cfg": cfg, "pad_id": pad_id,
                 "seed": seed, "world": world_size,
-                "state": {k: _wire(v) for k, v in model.state_dict().items()}}
+                "state": {k: to_wire(v) for k, v in model.state_dict().items()}}
         self.ranks = (ranks or ProcessRanks)(init, world_size, timeout_s)
 
     def update(self, groups, dropped=()) -> dict[str, float]:
@@ -63,7 +67,7 @@ class ShardedTrainer:
         metrics, weights = replies[0]
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
-                t.copy_(_unwire(weights[name]))
+                t.copy_(from_wire(weights[name]))
         self.version += 1
         return metrics
 
@@ -168,16 +172,13 @@ def dead_rank(rank: int, cmd: str, why: str) -> TrainerRankError:
 
 def build_rank(rank: int, init: dict):
     """This rank's Trainer over its shard of the model."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    from rollwise.training.trainer import Trainer
     os.environ.update(MASTER_ADDR=init["addr"], MASTER_PORT=str(init["port"]))
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=init["world"])
     torch.set_num_threads(1)
     model = init["cls"](init["config"])
-    model.load_state_dict({k: _unwire(v) for k, v in init["state"].items()})
+    model.load_state_dict({k: from_wire(v) for k, v in init["state"].items()})
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         model.cuda()
@@ -204,7 +205,7 @@ def _full_weights(model) -> dict:
     out = {}
     for k, v in model.state_dict().items():
         full = v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective: every rank
-        out[k] = _wire(full.detach().cpu())
+        out[k] = to_wire(full.detach().cpu())
     return out
 
 
@@ -257,7 +258,6 @@ def _rank_state(trainer) -> dict:
 
 def _load_rank_state(trainer, state: dict) -> None:
     """_rank_state's result written back in place (a fresh rank gets its optimizer state)."""
-    from torch.distributed.tensor import DTensor
     with torch.no_grad():
         for k, v in trainer.model.state_dict().items():
             (v.to_local() if hasattr(v, "to_local") else v).copy_(state["model"][k])

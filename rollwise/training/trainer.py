@@ -13,21 +13,33 @@ correction.mode/level/anchor. Metrics come back under train/ (adv/, correction/,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
-import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rollwise.config import TrainConfig
 from rollwise.training import correction as corr
-from rollwise.training.advantages import AdvantageInputs, compute_advantages, get_token_shaping
+from rollwise.training.advantages import (
+    AdvantageInputs,
+    compute_advantages,
+    get_token_shaping,
+    no_shaping,
+)
 from rollwise.training.confidence import echo_clip, policy_token_stats
+from rollwise.training.losses import (
+    ZERO_AT_ZERO_ADVANTAGE,
+    LossParams,
+    aggregate,
+    get_kl,
+    get_policy_loss,
+    masked_mean,
+)
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.training.precision import MasterWeights
-from rollwise.training.losses import (ZERO_AT_ZERO_ADVANTAGE, LossParams, aggregate, get_kl,
-                                   get_policy_loss, masked_mean)
 from rollwise.types import Batch, Group, Sample, Status
 
 
@@ -117,18 +129,16 @@ class Trainer:
     def advantage_inputs(self, groups: list[Group], rewards: torch.Tensor) -> AdvantageInputs:
         samples = [s for g in groups for s in g.samples]
         gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
-        channels = {}
-        if self.cfg.advantage == "gdpo":
-            names = list(dict.fromkeys(k for s in samples for k in s.rewards))
-            for name in names:
-                missing = [s.uid for s in samples if name not in s.rewards]
-                if missing:
-                    raise ValueError(f"train.advantage = 'gdpo': sample {missing[0]} lacks reward "
-                                     f"channel {name!r}; every sample needs the same channels")
+        channels, partial = {}, {}  # every reward channel: those all samples have, and not
+        for name in dict.fromkeys(k for s in samples for k in s.rewards):
+            missing = [s.uid for s in samples if name not in s.rewards]
+            if missing:
+                partial[name] = missing[0]
+            else:
                 channels[name] = torch.tensor([s.rewards[name] for s in samples])
         tokens = torch.tensor([float(sum(s.loss_mask)) for s in samples])
         return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights),
-                               [s.meta for s in samples], tokens)
+                               [s.meta for s in samples], tokens, partial)
 
     def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
         """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""
@@ -248,7 +258,7 @@ class Trainer:
             return None  # holding every micro-batch's graph would defeat micro-batching
         if not self._skips_zero_advantage():
             return first_mb
-        if cfg.token_shaping != "none":
+        if self.shaping is not no_shaping:
             return None  # shaping may move a zero-advantage row's tokens
         return first_mb[advantages[first_mb] != 0]
 
@@ -555,13 +565,35 @@ class Trainer:
             self.scheduler.step()
         self.version += 1
 
+    def close(self) -> None:
+        """Nothing to release in this process (sharded ranks have their own)."""
+
+    def state_dict(self) -> dict:
+        """Model, optimizer, scheduler, policy version, kept snapshots, reference model and
+        fp32 master weights: what a checkpoint keeps."""
+        ref = self.ref_model
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "version": self.version,
+                "snapshots": self._snapshots,
+                "ref_model": ref.state_dict() if ref is not None else None,
+                "master": self.master.state_dict() if self.master else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version, self._snapshots = state["version"], state["snapshots"]
+        if state["ref_model"] is not None and self.ref_model is not None:
+            self.ref_model.load_state_dict(state["ref_model"])
+        if state.get("master") is not None and self.master:
+            self.master.load_state_dict(state["master"])
+
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
 def _gather_sums(total: float, counted: float, acc: dict[str, float]):
     """The ranks' loss, token count and metric sums, combined (every rank gets the result)."""
-    import torch.distributed as dist
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (total, counted, acc))
     out: dict[str, float] = {}

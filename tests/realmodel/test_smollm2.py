@@ -54,7 +54,7 @@ def test_the_converted_folder_computes_what_the_gguf_does(folder, tmp_path):
 def test_one_training_step_of_the_smollm2_config(tmp_path):
     """configs/smollm2.yaml, cut to one small step: it trains, stores its rollouts and the
     model, and no Python warning is raised while it runs."""
-    from rollwise.loop.sync import train
+    from rollwise.loop.run import train
     from rollwise.report.progress import Progress
     cfg = load_config(ROOT / "configs/smollm2.yaml", [
         f"run.root={tmp_path}", "train.steps=1", "control.prompts_per_step=2",

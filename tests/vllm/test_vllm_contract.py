@@ -10,10 +10,10 @@ the whole module (start-up is ~30-75 s on a shared 2-core CPU).
 
 import os
 
+import engine_contract as contract
 import pytest
 import torch
 
-import engine_contract as contract
 from rollwise import models
 from rollwise.engine import Request, SamplingParams
 

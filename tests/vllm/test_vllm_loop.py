@@ -24,7 +24,7 @@ from rollwise import models
 from rollwise.config import load_config
 from rollwise.engine import Request, SamplingParams
 from rollwise.engine.backends import build_engine
-from rollwise.loop.sync import train
+from rollwise.loop.run import train
 from rollwise.report.progress import Progress
 from rollwise.store.rollouts import RolloutStore
 from rollwise.sync import build_sync

@@ -13,12 +13,12 @@ import os
 import signal
 
 import pytest
+from loop_helpers import SMALL
 
 from rollwise.config import load_config
-from rollwise.loop.sync import Run
+from rollwise.loop.run import Run
 from rollwise.report.progress import Progress
-from rollwise.sync.engine_proc import _unwire
-from tests.test_crash_resume import SMALL
+from rollwise.sync.payload import from_wire as _unwire
 
 pytestmark = pytest.mark.vllm
 ray = pytest.importorskip("ray")
@@ -35,7 +35,7 @@ def local_ray():
 
 
 def test_vllm_workers_train_and_survive_a_killed_worker(tmp_path):
-    from tests.test_loop_ray import _check_store
+    from loop_helpers import _check_store
     steps = 3
     cfg = load_config(None, SMALL + [
         "model.hidden_size=64", "model.num_heads=2",  # head_dim 32 for vLLM's CPU attention

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import re
 
-from rollwise.stages.control.inflight import CONTINUE, Decision
+from rollwise.stages.control.inflight import CONTINUE, Decision, InflightController
 from rollwise.types import Group
 
 AFTER_MARKER = Decision("abort", "duet_after_marker")
@@ -62,7 +62,7 @@ def ht_mean(rewards: list[float], weights: list[float], started: int) -> float:
     return sum(w * r for w, r in zip(weights, rewards)) / max(started, 1)
 
 
-class Duet:
+class Duet(InflightController):
     def __init__(self, cfg=None):
         c = cfg.control.duet
         self.share, self.lo, self.hi = c.budget, c.group_min, c.group_max

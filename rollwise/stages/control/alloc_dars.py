@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from rollwise.stages.control.group_size import success_rate
+from rollwise.stages.control.group_size import GroupSizer, success_rate
 
 
 def dars_extra(n: int, p: float, schedule: str, n_max: int) -> int:
@@ -31,7 +31,7 @@ def dars_extra(n: int, p: float, schedule: str, n_max: int) -> int:
     return max(0, min(math.ceil((target - n * s) / s - 1e-9), n_max - n))
 
 
-class DARS:
+class DARS(GroupSizer):
     def __init__(self, cfg):
         self.n, self.schedule = cfg.generate.group_size, cfg.control.dars.schedule
         self.n_max = cfg.control.dars.max or self.n * (4 if self.schedule == "et" else 8)

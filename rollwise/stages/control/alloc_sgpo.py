@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import random
 
+from rollwise.stages.control.group_size import GroupSizer
 
-class SGPO:
+
+class SGPO(GroupSizer):
     def __init__(self, cfg):
         c = cfg.control.sgpo
         self.k, self.lo, self.hi = c.profile_samples, c.group_min, c.group_max

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 
-from rollwise.stages.control.inflight import CONTINUE, Decision
+from rollwise.stages.control.inflight import CONTINUE, Decision, InflightController
 from rollwise.types import Group
 
 BATCH_COMPLETE = Decision("pause", "batch_complete", everyone=True)
 
 
-class April:
+class April(InflightController):
     def __init__(self, cfg=None, over_provision: float | None = None):
         """cfg: the run's Config (control.april.over_provision: groups in flight per group
         wanted)."""

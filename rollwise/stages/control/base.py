@@ -1,29 +1,33 @@
-"""The prompt-selector protocol; selectors are chosen by name through rollwise.registry."""
+"""The prompt selector's base class; selectors are chosen by name through rollwise.registry."""
 
 from __future__ import annotations
 
+import abc
 import random
-from typing import Protocol
 
-from rollwise.tasks import Problem
+from rollwise import registry
+from rollwise.types import Problem
 
 
-class Selector(Protocol):
+class Selector(abc.ABC):
     """Chooses prompts and learns from their outcomes. State is per prompt id and is saved
     with checkpoints (state_dict / load_state_dict)."""
 
+    @abc.abstractmethod
     def select(self, pool: list[Problem], n: int, rng: random.Random) -> list[Problem]: ...
 
     def observe(self, outcomes: dict[str, tuple[int, int]], step: int) -> None:
         """outcomes: prompt id -> (successes, trials) of its group at this step."""
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def build_selector(cfg) -> Selector:
     """The selector `control.selector` names (cfg: the run's Config): built-in, registered,
     or 'package.module:factory' called as factory(cfg)."""
-    from rollwise import registry
-    return registry.resolve("selector", cfg.control.selector, "control.selector")(cfg)
+    factory = registry.resolve("selector", cfg.control.selector, "control.selector")
+    return registry.conform(factory(cfg), Selector, "control.selector")

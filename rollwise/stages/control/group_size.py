@@ -12,43 +12,27 @@ of the pool's Problem; the trainer takes groups of any sizes (advantages are per
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import abc
+from typing import Callable
 
-from rollwise.tasks import Problem
-from rollwise.types import Group
+from rollwise import registry
+from rollwise.types import Group, Problem
 
 # what a sizer's pool() gets: (problems, samples each) -> prompt id -> (successes, trials)
 Profile = Callable[[list[Problem], int], dict[str, tuple[int, int]]]
 
 
-class GroupSizer(Protocol):
-    def pool(self, pool: list[Problem], profile: Profile) -> list[Problem]:
-        """The prompts to select from (called at every selection; cache what is costly)."""
-
+class GroupSizer(abc.ABC):
+    @abc.abstractmethod
     def sizes(self, problems: list[Problem], step: int) -> list[int]:
         """Samples for each selected prompt (0 skips it)."""
 
-    def extra(self, groups: list[Group]) -> list[int]:
-        """Samples to add to each scored group before training (0: none)."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-class FixedSize:
-    """control.group_size = fixed: generate.group_size for every prompt, nothing added."""
-
-    def __init__(self, cfg):
-        self.n = cfg.generate.group_size
-
-    def pool(self, pool, profile):
+    def pool(self, pool: list[Problem], profile: Profile) -> list[Problem]:
+        """The prompts to select from (called at every selection; cache what is costly)."""
         return pool
 
-    def sizes(self, problems, step):
-        return [self.n] * len(problems)
-
-    def extra(self, groups):
+    def extra(self, groups: list[Group]) -> list[int]:
+        """Samples to add to each scored group before training (0: none)."""
         return [0] * len(groups)
 
     def state_dict(self) -> dict:
@@ -58,9 +42,19 @@ class FixedSize:
         pass
 
 
+class FixedSize(GroupSizer):
+    """control.group_size = fixed: generate.group_size for every prompt, nothing added."""
+
+    def __init__(self, cfg):
+        self.n = cfg.generate.group_size
+
+    def sizes(self, problems, step):
+        return [self.n] * len(problems)
+
+
 def build_group_sizer(cfg) -> GroupSizer:
-    from rollwise import registry
-    return registry.resolve("group_size", cfg.control.group_size, "control.group_size")(cfg)
+    factory = registry.resolve("group_size", cfg.control.group_size, "control.group_size")
+    return registry.conform(factory(cfg), GroupSizer, "control.group_size")
 
 
 def success_rate(group: Group) -> float:

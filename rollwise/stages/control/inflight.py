@@ -13,7 +13,7 @@ The rollout driver (rollwise.stages.generate.rollout) shows the controller every
 
 Each decision other than continue is counted in the ledger as control/<action>/<reason>.
 A controller deciding for a whole group at once applies a decision to another live sample with
-rollout.decide_for(sample, decision). Optional hooks, called when a controller has them:
+rollout.decide_for(sample, decision). Hooks with defaults (InflightController, below):
 
     bind(policy=, tokenizer=, task=, prompter=, profile=)   the run's context, once
     allocate(problems, sizes) -> sizes      samples per prompt before generation (0: skip)
@@ -27,14 +27,12 @@ rollout.decide_for(sample, decision). Optional hooks, called when a controller h
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
+from rollwise import registry
 from rollwise.engine import Event
-from rollwise.types import Group, Sample
-
-if TYPE_CHECKING:
-    from rollwise.stages.generate.rollout import Rollout
+from rollwise.types import Group, Problem, Sample
 
 ACTIONS = ("continue", "pause", "abort", "fork")
 
@@ -62,24 +60,45 @@ class Decision:
 CONTINUE = Decision()
 
 
-class InflightController(Protocol):
+class InflightController(abc.ABC):
+    """`rollout` below is the round's rollwise.stages.generate.rollout.Rollout."""
+
+    @abc.abstractmethod
     def begin(self, want: int, step: int) -> tuple[list[Group], int]:
         """A round of `want` groups starts: groups carried from earlier rounds (resumed
         first) and how many new prompts to start."""
 
-    def on_event(self, event: Event, sample: Sample, rollout: "Rollout") -> Decision:
+    @abc.abstractmethod
+    def on_event(self, event: Event, sample: Sample, rollout) -> Decision:
         """An event of `sample` (its tokens are appended already): what to do now."""
 
-    def end(self, rollout: "Rollout", want: int) -> list[Group]:
+    @abc.abstractmethod
+    def end(self, rollout, want: int) -> list[Group]:
         """The round is over: the groups to score and train now; the controller keeps any
         others it wants to continue later (its state_dict saves them)."""
 
-    def state_dict(self) -> dict: ...
+    def bind(self, **context) -> None:
+        """The run's context, once: policy=, tokenizer=, task=, prompter=, profile=."""
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def allocate(self, problems: list[Problem], sizes: list[int]) -> list[int]:
+        """Samples per prompt before generation (0: skip it); default: as sized."""
+        return sizes
+
+    def observe(self, scored: list[Group], step: int) -> None:
+        """After scoring, every scored group: learn from the rewards."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for this step's metrics line."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
-class RunToEnd:
+class RunToEnd(InflightController):
     """control.inflight = none: every request runs to its end; the round returns every group."""
 
     def __init__(self, cfg=None):
@@ -94,14 +113,8 @@ class RunToEnd:
     def end(self, rollout, want: int) -> list[Group]:
         return list(rollout.groups)
 
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
 
 def build_inflight(cfg) -> InflightController:
     """The controller `control.inflight` names (cfg: the run's Config)."""
-    from rollwise import registry
-    return registry.resolve("inflight", cfg.control.inflight, "control.inflight")(cfg)
+    factory = registry.resolve("inflight", cfg.control.inflight, "control.inflight")
+    return registry.conform(factory(cfg), InflightController, "control.inflight")

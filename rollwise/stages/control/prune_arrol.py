@@ -23,7 +23,7 @@ import random
 
 import torch
 
-from rollwise.stages.control.inflight import CONTINUE, Decision
+from rollwise.stages.control.inflight import CONTINUE, Decision, InflightController
 from rollwise.types import Group
 
 PRUNE = Decision("abort", "arrol_pruned")
@@ -113,7 +113,7 @@ def hidden_states(policy, seqs: list[list[int]]) -> torch.Tensor:
     return out.hidden_states[-1][torch.arange(n), last.to(device)].float().cpu()
 
 
-class Arrol:
+class Arrol(InflightController):
     def __init__(self, cfg=None):
         c = cfg.control.arrol
         self.t_p, self.kappa, self.rho, self.explore = (c.checkpoint, c.keep, c.rho,

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollwise.tasks import Problem
+from rollwise.stages.control.base import Selector
+from rollwise.types import Problem
 
 UNSOLVED, PARTIAL, SOLVED = 0, 1, 2
 
@@ -74,7 +75,7 @@ class PromptHMM:
 
 
 @dataclass
-class DPSSelector:
+class DPSSelector(Selector):
     decay: float = 1.0
     candidate_ratio: float = 4.0
     prior_count: float = 1.0

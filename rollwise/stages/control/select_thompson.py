@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import random
 
-from rollwise.tasks import Problem
+from rollwise.stages.control.base import Selector
+from rollwise.types import Problem
 
 
-class ThompsonSelector:
+class ThompsonSelector(Selector):
     @classmethod
     def build(cls, cfg) -> "ThompsonSelector":
         c = cfg.control.thompson

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
-from rollwise.tasks import Problem
+from rollwise.stages.control.base import Selector
+from rollwise.types import Problem
 
 
-class UniformSelector:
+class UniformSelector(Selector):
     @classmethod
     def build(cls, cfg) -> "UniformSelector":
         return cls()

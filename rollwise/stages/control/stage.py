@@ -22,8 +22,7 @@ from rollwise.stages.control.group_size import Profile, build_group_sizer
 from rollwise.stages.control.inflight import build_inflight
 from rollwise.stages.ledger import Ledger
 from rollwise.stages.replay.curriculum import build_curriculum
-from rollwise.tasks import Problem
-from rollwise.types import Group
+from rollwise.types import Group, Problem
 
 
 class Refill:
@@ -72,8 +71,7 @@ class Control:
         """What a part may need beyond the config (profile, policy, tokenizer, task): the
         loop passes it here; the in-flight controller takes its share through its own bind."""
         self.profile = context.get("profile", self.profile)
-        if hasattr(self.inflight, "bind"):
-            self.inflight.bind(**context)
+        self.inflight.bind(**context)
 
     def rounds(self, want: int, kept: list[Group]) -> Iterator[int]:
         return self.refill.rounds(want, kept)
@@ -100,7 +98,7 @@ class Control:
 
     def metrics(self) -> dict[str, float]:
         """The in-flight controller's own numbers for this step (ARRoL's head AUC)."""
-        return self.inflight.metrics() if hasattr(self.inflight, "metrics") else {}
+        return self.inflight.metrics()
 
     def _profile(self, problems: list[Problem], k: int, ledger: Ledger
                  ) -> dict[str, tuple[int, int]]:
@@ -114,8 +112,7 @@ class Control:
         the in-flight controller's allocation (ARRoL over-samples, DUET spreads a budget).
         A prompt given 0 samples is skipped, and counted."""
         sizes = self.sizer.sizes(problems, step)
-        if hasattr(self.inflight, "allocate"):
-            sizes = self.inflight.allocate(problems, sizes)
+        sizes = self.inflight.allocate(problems, sizes)
         out = []
         for p, n in zip(problems, sizes):
             if n <= 0:
@@ -132,8 +129,7 @@ class Control:
         """Every scored group, kept or not: (successes, trials) per prompt."""
         outcomes = prompt_outcomes(scored)
         self.selector.observe(outcomes, step)
-        if hasattr(self.inflight, "observe"):  # a learned controller (ARRoL's quality head)
-            self.inflight.observe(scored, step)
+        self.inflight.observe(scored, step)  # a learned controller (ARRoL's quality head)
         if self.curriculum is not None:
             self.curriculum.observe(outcomes, step)
 

@@ -15,15 +15,20 @@ with the true answer (a majority-vote, judge, format or length reward evaluates 
 
 from __future__ import annotations
 
-from typing import Callable
-
+from rollwise.config import FilterConfig
 from rollwise.stages.filter.base import Item, Verdict, Verifier
-from rollwise.stages.filter.stage import (CORRECTNESS, Channel, FilterStage, build_filter,
-                                          make_verifier, weights_of)
+from rollwise.stages.filter.stage import (
+    CORRECTNESS,
+    Channel,
+    FilterStage,
+    build_filter,
+    make_verifier,
+    weights_of,
+)
 from rollwise.stages.filter.user import import_object
-from rollwise.tasks import Problem, Task
-
-Scorer = Callable[[str, Problem], tuple[float, str]]
+from rollwise.tasks import Task
+from rollwise.tasks.extract import make_extractor
+from rollwise.types import Problem, Scorer
 
 __all__ = ["Item", "Verdict", "Verifier", "FilterStage", "build_filter", "make_scorer",
            "eval_scorer", "import_object", "Scorer"]
@@ -32,7 +37,6 @@ __all__ = ["Item", "Verdict", "Verifier", "FilterStage", "build_filter", "make_s
 def make_scorer(name: str, task: Task, cfg=None) -> Scorer:
     """Per-sample scorer for evaluation: verifier `name` against the true answer, in-process.
     Names that carry no ground truth (majority, judge, format, length) score as 'exact'."""
-    from rollwise.config import FilterConfig
     cfg = cfg or FilterConfig()
     if name not in CORRECTNESS and ":" not in name:
         name = "exact"
@@ -59,5 +63,4 @@ def eval_scorer(cfg, task: Task) -> Scorer:
 
 
 def _extractor(cfg, task):
-    from rollwise.stages.filter.extract import make_extractor
     return make_extractor(cfg.extract, task)

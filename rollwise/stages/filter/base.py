@@ -8,11 +8,12 @@ time in worker processes with a per-sample timeout; the others run in-process on
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from rollwise.tasks import Problem
+from rollwise.types import Problem
 
 # why a verifier could not score a sample (metric: filter/failed/<cause>)
 TIMEOUT, CRASH, ERROR, BAD_OUTPUT = "timeout", "crash", "error", "bad_output"
@@ -39,16 +40,26 @@ class Verdict:
         return cls({}, info, cause)
 
 
-@runtime_checkable
-class Verifier(Protocol):
-    name: str  # the channel it fills
-    isolated: bool  # True: one item at a time in a worker process, with a timeout
+class Verifier(abc.ABC):
+    """A verifier; a user's class that does not subclass it gets these defaults when it is
+    loaded (rollwise.registry.conform)."""
 
+    name: str = ""  # the channel it fills
+    isolated: bool = False  # True: one item at a time in a worker process, with a timeout
+    in_worker: bool = False  # set in a worker process (the pool times it out, not itself)
+
+    @abc.abstractmethod
     def score(self, items: list[Item]) -> list[Verdict]: ...
 
     def metrics(self) -> dict[str, float]:
         """Batch-level numbers from the last `score` call (e.g. the majority ratio)."""
-        ...
+        return {}
+
+    def attach(self, engine, tokenizer) -> None:
+        """An engine to generate with (the judge), e.g. the policy's own."""
+
+    def warm(self) -> None:
+        """Imports and set-up a worker does before it reports ready (never timed)."""
 
 
 def coerce(out: Any, channel: str) -> Verdict:

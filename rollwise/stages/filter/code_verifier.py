@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from rollwise.stages.filter.base import Item, Verdict
+from rollwise.stages.filter.base import Item, Verdict, Verifier
 from rollwise.stages.filter.sandbox import SandboxLimits, run_python
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -36,7 +36,7 @@ def _short(s: str, n: int = 40) -> str:
     return repr(s if len(s) <= n else s[:n] + "...")
 
 
-class CodeVerifier:
+class CodeVerifier(Verifier):
     """`code` channel: 1 when every test passes (mode 'all') or the share passed ('fraction')."""
 
     name = "code"

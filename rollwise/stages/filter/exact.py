@@ -6,10 +6,10 @@ task:  the task's own scorer (reasoning-gym tasks bring one), fed the raw respon
 
 from __future__ import annotations
 
-from rollwise.stages.filter.base import Item, Verdict
+from rollwise.stages.filter.base import Item, Verdict, Verifier
 
 
-class ExactVerifier:
+class ExactVerifier(Verifier):
     isolated = False
 
     def __init__(self, name: str = "exact"):
@@ -26,7 +26,7 @@ class ExactVerifier:
         return {}
 
 
-class EnvRewardVerifier:
+class EnvRewardVerifier(Verifier):
     """An agent episode's reward, as its environment gave it (rollwise.agents.episode);
     an environment that failed fails the sample with its reason."""
 
@@ -50,7 +50,7 @@ class EnvRewardVerifier:
         return {}
 
 
-class TaskScoreVerifier:
+class TaskScoreVerifier(Verifier):
     """Delegates to `task.score_fn(response, problem)` (kept in-process: it holds the task)."""
 
     isolated = False

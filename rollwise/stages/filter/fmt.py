@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 
-from rollwise.stages.filter.base import Item, Verdict
+from rollwise.stages.filter.base import Item, Verdict, Verifier
 
 
-class FormatVerifier:
+class FormatVerifier(Verifier):
     isolated = False
 
     def __init__(self, pattern: str | None = None, name: str = "format"):
@@ -49,7 +49,7 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     return 0.0 if length <= start else (start - length) / buffer
 
 
-class LengthVerifier:
+class LengthVerifier(Verifier):
     isolated = False
 
     def __init__(self, max_tokens: int, buffer: int, name: str = "length"):

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import re
 
-from rollwise.stages.filter.base import Item, Verdict
+from rollwise import models
+from rollwise.engine import BuiltinEngine, Request, SamplingParams
+from rollwise.stages.filter.base import Item, Verdict, Verifier
 
 BAD_VERDICT = "bad_verdict"
 DEFAULT_RUBRIC = (
@@ -40,7 +42,7 @@ def parse_verdict(text: str) -> str | None:
     return "wrong" if m.group(1) == "incorrect" else m.group(1)
 
 
-class JudgeVerifier:
+class JudgeVerifier(Verifier):
     isolated = False
 
     def __init__(self, rubric: str | None = None, fapo: bool = False, model: str | None = None,
@@ -59,17 +61,14 @@ class JudgeVerifier:
         if not self.model_path:
             raise ValueError("the judge has no model: set filter.judge.model=<HF model folder> "
                              "or attach the policy engine with FilterStage.attach_engine")
-        from rollwise import models
-        from rollwise.engine import Engine
         model, tok = models.load_model(self.model_path)
-        self.attach(Engine(model, copy_model=False), tok)
+        self.attach(BuiltinEngine(model, copy_model=False), tok)
 
     def prompt(self, it: Item) -> str:
         return self.rubric.format(prompt=it.problem.prompt, answer=it.problem.answer,
                                   response=it.text, flawed=_FLAWED if self.fapo else "")
 
     def score(self, items: list[Item]) -> list[Verdict]:
-        from rollwise.engine import Request, SamplingParams
         self._ensure_engine()
         tok = self.tokenizer
         params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens,

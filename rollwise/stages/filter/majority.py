@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from rollwise.stages.filter.base import Item, Verdict
-from rollwise.stages.filter.extract import normalize
+from rollwise.stages.filter.base import Item, Verdict, Verifier
+from rollwise.tasks.extract import normalize
 
 
 def majority_label(votes: list[str | None], min_ratio: float = 0.0) -> tuple[str | None, int]:
@@ -38,7 +38,7 @@ def majority_label(votes: list[str | None], min_ratio: float = 0.0) -> tuple[str
     return label, n
 
 
-class MajorityVerifier:
+class MajorityVerifier(Verifier):
     isolated = False
 
     def __init__(self, name: str = "majority", min_ratio: float = 0.0):

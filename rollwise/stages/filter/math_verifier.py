@@ -7,12 +7,13 @@ that overruns the per-sample timeout); in-process we keep them only on the main 
 
 from __future__ import annotations
 
+import logging
 import threading
 from functools import lru_cache
 
-from rollwise.stages.filter.base import Item, Verdict
-from rollwise.stages.filter.extract import is_number, numeric_literal
-from rollwise.tasks import Problem
+from rollwise.stages.filter.base import Item, Verdict, Verifier
+from rollwise.tasks.extract import is_number, numeric_literal
+from rollwise.types import Problem
 
 
 def _latex(answer: str) -> str:
@@ -24,7 +25,7 @@ def _latex(answer: str) -> str:
 _WARM = Problem("warm", "", "\\frac{1}{2}")
 
 
-class MathVerifier:
+class MathVerifier(Verifier):
     """1 when the extracted answer is mathematically equal to the reference (fractions,
     LaTeX, units, intervals, sets, equations, percentages), else 0. Where the reference is a
     plain number, the answer must state a number (extract.numeric_literal): math-verify would
@@ -52,7 +53,7 @@ class MathVerifier:
     def score_one(self, it: Item) -> Verdict:
         if it.answer is None:
             return Verdict({self.name: 0.0}, "no answer found")
-        from math_verify import verify
+        from math_verify import verify  # math-verify: imported in the worker, not at start
         t = self._timeout()
         answer = it.answer
         if is_number(it.problem.answer):  # a numeric reference is matched by a stated value
@@ -73,13 +74,14 @@ class MathVerifier:
 
 @lru_cache(maxsize=4096)
 def _parse(text: str, timeout: int | None):
-    import logging
+
+    # math-verify: imported in the scoring worker
     from math_verify import parse
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is off" warning
     return parse(text, parsing_timeout=timeout)
 
 
-class GymVerifier:
+class GymVerifier(Verifier):
     """reasoning-gym's `score_answer(answer, entry)` of the dataset that made the problem
     (its name is in the entry's metadata), on the extracted answer."""
 
@@ -100,6 +102,7 @@ class GymVerifier:
             raise ValueError(f"problem {it.problem.id}: no metadata.source_dataset, so it is "
                              "not a reasoning-gym entry; use filter.reward=math or exact")
         if dataset not in self._scorers:
+            # reasoning-gym: only for gym tasks
             import reasoning_gym
             self._scorers[dataset] = reasoning_gym.get_score_answer_fn(dataset)
         value = float(self._scorers[dataset](it.answer, entry))

@@ -28,10 +28,9 @@ def _worker(rx: Connection, tx: Connection) -> None:
     sys.path[:] = path  # the parent's, so user verifiers import the same way
     verifiers = pickle.loads(payload)
     for v in verifiers.values():
-        if hasattr(v, "in_worker"):
-            v.in_worker = True  # e.g. math-verify: no signal.alarm, the pool times us out
+        v.in_worker = True  # e.g. math-verify: no signal.alarm, the pool times us out
         try:  # imports happen before "ready", so they never count against a sample's time
-            getattr(v, "warm", lambda: None)()
+            v.warm()
         except Exception:
             pass  # the sample will fail with the reason when it is scored
     tx.send("ready")

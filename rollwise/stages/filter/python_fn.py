@@ -19,7 +19,7 @@ import inspect
 import pickle
 import re
 
-from rollwise.stages.filter.base import BAD_OUTPUT, ERROR, Item, Verdict, coerce
+from rollwise.stages.filter.base import BAD_OUTPUT, ERROR, Item, Verdict, Verifier, coerce
 
 
 def reward_name(fn) -> str:
@@ -46,7 +46,7 @@ def _sendable(fn) -> bool:
         return False
 
 
-class CallableVerifier:
+class CallableVerifier(Verifier):
     def __init__(self, fn, name: str | None = None):
         if not callable(fn):
             raise TypeError(f"reward: {fn!r} is not callable; give a function "

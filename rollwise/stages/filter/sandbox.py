@@ -14,6 +14,7 @@ descendant (daemons reparent to the supervisor). `isolation_report()` says which
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -90,7 +91,6 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
 @lru_cache(maxsize=None)
 def _supervisor_module():
     """_supervisor.py imported by path, as the standalone supervisor sees itself."""
-    import importlib.util
     spec = importlib.util.spec_from_file_location("_rollwise_supervisor", SUPERVISOR)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

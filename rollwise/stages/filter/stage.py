@@ -16,8 +16,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from rollwise import registry
 from rollwise.stages.filter.base import ERROR, Item, Verdict, Verifier, score_checked
-from rollwise.stages.filter.extract import make_extractor
+from rollwise.stages.filter.code_verifier import CodeVerifier
+from rollwise.stages.filter.exact import EnvRewardVerifier, ExactVerifier, TaskScoreVerifier
+from rollwise.stages.filter.fmt import FormatVerifier, LengthVerifier
+from rollwise.stages.filter.judge import JudgeVerifier
+from rollwise.stages.filter.majority import MajorityVerifier
+from rollwise.stages.filter.math_verifier import GymVerifier, MathVerifier
+from rollwise.stages.filter.pool import VerifierPool
+from rollwise.stages.filter.sandbox import SandboxLimits
+from rollwise.stages.filter.user import user_verifier
+from rollwise.tasks.extract import make_extractor
+from rollwise.types import Status
 
 CORRECTNESS = ("exact", "math", "math_verify", "gym", "code")
 SHAPING = ("format", "length", "judge", "majority")
@@ -27,36 +38,29 @@ def make_verifier(name: str, cfg, task) -> Verifier:
     """The verifier `name` stands for (cfg: FilterConfig): a registered name (rollwise.registry,
     kind 'verifier') built as factory(cfg, task), or a user's 'package.module:attr' reward
     function or Verifier class (rollwise.stages.filter.user)."""
-    from rollwise import registry
-    from rollwise.stages.filter.user import user_verifier
     if registry.is_dotted(name):
         return user_verifier(name)
-    return registry.resolve("verifier", name, "filter.reward")(cfg, task)
+    verifier = registry.resolve("verifier", name, "filter.reward")(cfg, task)
+    return registry.conform(verifier, Verifier, "filter.reward")
 
 
 def build_exact(cfg, task) -> Verifier:
-    from rollwise.stages.filter.exact import ExactVerifier, TaskScoreVerifier
-    return TaskScoreVerifier(task) if getattr(task, "score_fn", None) else ExactVerifier()
+    return TaskScoreVerifier(task) if task.score_fn else ExactVerifier()
 
 
 def build_env(cfg, task) -> Verifier:
-    from rollwise.stages.filter.exact import EnvRewardVerifier
     return EnvRewardVerifier()
 
 
 def build_math(cfg, task) -> Verifier:
-    from rollwise.stages.filter.math_verifier import MathVerifier
     return MathVerifier(cfg.timeout_s)
 
 
 def build_gym(cfg, task) -> Verifier:
-    from rollwise.stages.filter.math_verifier import GymVerifier
     return GymVerifier()
 
 
 def build_code(cfg, task) -> Verifier:
-    from rollwise.stages.filter.code_verifier import CodeVerifier
-    from rollwise.stages.filter.sandbox import SandboxLimits
     s = cfg.sandbox
     limits = SandboxLimits(timeout_s=s.timeout_s, cpu_s=s.cpu_s, memory_mb=s.memory_mb,
                            max_processes=s.max_processes, max_output_kb=s.max_output_kb,
@@ -65,23 +69,19 @@ def build_code(cfg, task) -> Verifier:
 
 
 def build_format(cfg, task) -> Verifier:
-    from rollwise.stages.filter.fmt import FormatVerifier
     return FormatVerifier(cfg.format_pattern)
 
 
 def build_length(cfg, task) -> Verifier:
-    from rollwise.stages.filter.fmt import LengthVerifier
     return LengthVerifier(cfg.length_max, cfg.length_buffer)
 
 
 def build_judge(cfg, task) -> Verifier:
-    from rollwise.stages.filter.judge import JudgeVerifier
     j = cfg.judge
     return JudgeVerifier(j.rubric, j.fapo, j.model, j.max_new_tokens)
 
 
 def build_majority(cfg, task) -> Verifier:
-    from rollwise.stages.filter.majority import MajorityVerifier
     return MajorityVerifier(min_ratio=cfg.majority_min_ratio)
 
 
@@ -107,14 +107,12 @@ class FilterStage:
         isolated = {c.verifier.name: c.verifier for c in channels if c.verifier.isolated}
         self.pool = None
         if isolated and workers > 0:
-            from rollwise.stages.filter.pool import VerifierPool
             self.pool = VerifierPool(isolated, workers, timeout_s)
 
     def attach_engine(self, engine, tokenizer) -> None:
         """Give verifiers that generate (the judge) an engine, e.g. the policy's own."""
         for c in self.channels:
-            if hasattr(c.verifier, "attach"):
-                c.verifier.attach(engine, tokenizer)
+            c.verifier.attach(engine, tokenizer)
 
     def items(self, samples, problems, texts) -> list[Item]:
         out, group, last = [], -1, object()
@@ -169,7 +167,6 @@ class FilterStage:
         return rewards, reward, info, None
 
     def score(self, samples, problems, texts) -> dict[str, float]:
-        from rollwise.types import Status  # lazily: pool workers import this module, not torch
         t0 = time.perf_counter()
         items = self.items(samples, problems, texts)
         causes: Counter[str] = Counter()
@@ -203,7 +200,7 @@ def build_filter(cfg, task) -> FilterStage:
         verifier = make_verifier(spec, cfg, task)
         if ":" not in spec:  # a user's verifier keeps its name ('pkg.mod:fn' fills 'fn')
             verifier.name = spec
-        elif not getattr(verifier, "name", None):
+        elif not verifier.name:
             verifier.name = spec.rsplit(":", 1)[-1]
         channels.append(Channel(verifier.name, float(w), verifier))
     names = [c.key for c in channels]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from rollwise.stages.filter.base import Item, Verdict, coerce
+from rollwise import registry
+from rollwise.stages.filter.base import Item, Verdict, Verifier, coerce
 
 
 def import_object(path: str):
@@ -25,7 +26,7 @@ def import_object(path: str):
         raise ValueError(f"cannot import {path!r}: {e}") from e
 
 
-class FunctionVerifier:
+class FunctionVerifier(Verifier):
     """Wraps a per-sample function; pickles as its import path (workers re-import it)."""
 
     isolated = True
@@ -57,13 +58,13 @@ class FunctionVerifier:
 def user_verifier(path: str, name: str | None = None):
     obj = import_object(path)
     if inspect.isclass(obj):
-        inst = obj()
-        if not callable(getattr(inst, "score", None)):
-            raise ValueError(f"{path}: a verifier class needs score(items) -> list[Verdict]")
-        inst.name = name or getattr(inst, "name", None) or path.split(":", 1)[-1]
-        inst.isolated = bool(getattr(inst, "isolated", False))
-        if not callable(getattr(inst, "metrics", None)):
-            inst.metrics = dict
+        try:
+            inst = registry.conform(obj(), Verifier, path)
+        except TypeError as e:
+            raise ValueError(f"{path}: a verifier class needs score(items) -> list[Verdict] "
+                             f"({e})") from None
+        inst.name = name or inst.name or path.split(":", 1)[-1]
+        inst.isolated = bool(inst.isolated)
         return inst
     if not callable(obj):
         raise ValueError(f"{path} is a {type(obj).__name__}, not a function or verifier class")

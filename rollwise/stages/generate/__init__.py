@@ -10,40 +10,55 @@ controller's decisions. `generate.strategy` picks one by name (rollwise.registry
 
 from __future__ import annotations
 
-from typing import Protocol
-
+from rollwise import registry
+from rollwise.stages.control.inflight import RunToEnd, build_inflight
+from rollwise.stages.generate.base import Generator
+from rollwise.stages.generate.group import new_sample
 from rollwise.stages.generate.rollout import Rollout
-from rollwise.tasks import Problem
-
-
-class Generator(Protocol):
-    def generate(self, rollout: Rollout, problems: list[Problem], step: int) -> None:
-        """Add a group per problem to the rollout (rollout.add) and run it (rollout.run,
-        optionally with an event hook of its own, e.g. a tree's branching)."""
+from rollwise.types import Group
 
 
 def build_generator(cfg, tokenizer) -> Generator:
-    from rollwise import registry
-    return registry.resolve("generator", cfg.generate.strategy, "generate.strategy")(
-        cfg, tokenizer)
+    factory = registry.resolve("generator", cfg.generate.strategy, "generate.strategy")
+    return registry.conform(factory(cfg, tokenizer), Generator, "generate.strategy")
+
+
+def check_generator(generator: Generator, task, cfg) -> None:
+    """Before any work: a generator whose samples must run to their end gets no in-flight
+    controller that pauses them; a task whose samples must be episodes or packs gets a
+    generator that produces them (the message lists the registered ones that do)."""
+    if generator.runs_to_end and not isinstance(build_inflight(cfg), RunToEnd):
+        raise ValueError(f"generate.strategy={cfg.generate.strategy} runs every sample to its "
+                         f"end; control.inflight={cfg.control.inflight} would pause or carry "
+                         f"them: set control.inflight=none")
+    if task.played_as in ("responses", generator.produces):
+        return
+    fits = [n for n in registry.names("generator")
+            if getattr(registry.resolve("generator", n), "produces", None) == task.played_as]
+    if fits:
+        others = f" (or {', '.join(fits[1:])})" if len(fits) > 1 else ""
+        fix = f"set generate.strategy={fits[0]}{others} and what it needs (generate.env)"
+    else:
+        fix = "register a generator that produces them"
+    raise ValueError(f"task.name={cfg.task.name} is played as {task.played_as}, which "
+                     f"generate.strategy={cfg.generate.strategy} does not produce: {fix}")
 
 
 def generate_round(engine, generator: Generator, control, params, n: int, step: int,
-                   ledger, prompter) -> list:
+                   ledger, prompter, gate=None) -> list:
     """One round of `n` groups: the in-flight controller's carried groups resume first, then
     new prompts from Control, their ids made by `prompter` (rollwise.tasks.prompts) before the
     generator sees them; returns the groups the controller releases for scoring."""
     carried, fresh = control.inflight.begin(n, step)
-    rollout = Rollout(engine, control.inflight, ledger, params)
+    rollout = Rollout(engine, control.inflight, ledger, params, gate)
     for g in carried:
         rollout.add(g)
     problems = prompter.render(control.select(fresh, step, ledger))
-    if hasattr(control, "sized"):  # per-prompt group sizes (a bare test double may lack it)
-        problems = control.sized(problems, step, ledger)
-    saved = getattr(engine, "prefix_tokens_saved", 0)
+    problems = control.sized(problems, step, ledger)  # per-prompt group sizes
+    saved = engine.prefix_tokens_saved
     generator.generate(rollout, problems, step)
     rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
-    if getattr(engine, "prefix_tokens_saved", 0) > saved:  # tree forks that copied K/V
+    if engine.prefix_tokens_saved > saved:  # tree forks that copied K/V
         ledger.tokens_to("prefix_saved", engine.prefix_tokens_saved - saved)
     groups = control.inflight.end(rollout, n)
     unfinished = [s.uid for g in groups for s in g.samples if not s.finished]
@@ -54,22 +69,20 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
     return groups
 
 
-def run_to_end(engine, groups: list, params, ledger) -> None:
+def run_to_end(engine, groups: list, params, ledger, gate=None) -> None:
     """Generate every unfinished sample of the groups to its end, with no in-flight control
     (sGPO's profiling pass, DARS's extra samples)."""
-    from rollwise.stages.control.inflight import RunToEnd
-    rollout = Rollout(engine, RunToEnd(), ledger, params)
+    rollout = Rollout(engine, RunToEnd(), ledger, params, gate)
     for g in groups:
         rollout.add(g)
     rollout.run()
 
 
-def extend_groups(engine, groups: list, counts: list[int], params, ledger) -> list:
+def extend_groups(engine, groups: list, counts: list[int], params, ledger, gate=None
+                  ) -> list:
     """`counts[i]` more i.i.d. samples for groups[i] (DARS's second stage), run to their end;
     returns, per group that grew, a Group of its new samples only (for scoring) after
     appending them to the group itself."""
-    from rollwise.stages.generate.group import new_sample
-    from rollwise.types import Group
     added = []
     for g, k in zip(groups, counts):
         if k > 0:
@@ -78,7 +91,7 @@ def extend_groups(engine, groups: list, counts: list[int], params, ledger) -> li
             for s in fresh:
                 s.group_id = g.samples[0].group_id
             added.append(Group(g.prompt_id, fresh, g.problem))
-    run_to_end(engine, added, params, ledger)
+    run_to_end(engine, added, params, ledger, gate)
     for g, part in zip([g for g, k in zip(groups, counts) if k > 0], added):
         g.samples += part.samples
     return added

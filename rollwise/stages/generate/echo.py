@@ -19,12 +19,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from rollwise.stages.generate.base import Generator
 from rollwise.stages.generate.group import new_sample
 from rollwise.stages.generate.rollout import Rollout
-from rollwise.stages.generate.tree_rules import (EchoTrace, echo_alternatives, echo_branches_at,
-                                                 echo_prune_reason, echo_push, echo_width)
-from rollwise.tasks import Problem
-from rollwise.types import Group, Sample
+from rollwise.stages.generate.tree_rules import (
+    EchoTrace,
+    echo_alternatives,
+    echo_branches_at,
+    echo_prune_reason,
+    echo_push,
+    echo_width,
+)
+from rollwise.types import Group, Problem, Sample
 
 
 @dataclass
@@ -38,7 +44,7 @@ class _Tree:
     filled: bool = False
 
 
-class EchoGenerator:
+class EchoGenerator(Generator):
     def __init__(self, cfg, tokenizer):
         self.group_size, self.cfg = cfg.generate.group_size, cfg.generate.echo
         self._trees: dict[str, _Tree] = {}

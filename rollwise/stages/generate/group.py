@@ -4,9 +4,9 @@ G is the prompt's own size when Control set one (Problem.group_size), else gener
 from __future__ import annotations
 
 from rollwise.engine import SamplingParams
+from rollwise.stages.generate.base import Generator
 from rollwise.stages.generate.rollout import Rollout
-from rollwise.tasks import Problem
-from rollwise.types import Group, Sample
+from rollwise.types import Group, Problem, Sample
 
 
 def sampling_params(cfg, stop_ids: tuple[int, ...]) -> SamplingParams:
@@ -21,7 +21,7 @@ def new_sample(problem: Problem, prompt_ids: list[int], step: int) -> Sample:
                   meta={"tier": problem.tier, "answer": problem.answer})
 
 
-class GroupGenerator:
+class GroupGenerator(Generator):
     def __init__(self, cfg, tokenizer):
         """cfg: the run's Config."""
         self.group_size, self.tokenizer = cfg.generate.group_size, tokenizer

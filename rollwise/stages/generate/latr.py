@@ -22,12 +22,16 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from rollwise.stages.generate.base import Generator
 from rollwise.stages.generate.group import new_sample
 from rollwise.stages.generate.rollout import Rollout
-from rollwise.stages.generate.tree_rules import (eta_at, latr_branches, latr_exit_count,
-                                                 latr_too_similar)
-from rollwise.tasks import Problem
-from rollwise.types import Group, Sample
+from rollwise.stages.generate.tree_rules import (
+    eta_at,
+    latr_branches,
+    latr_exit_count,
+    latr_too_similar,
+)
+from rollwise.types import Group, Problem, Sample
 
 
 @dataclass
@@ -42,7 +46,7 @@ class _Tree:
     switched: set = field(default_factory=set)  # uids continuing by sampling
 
 
-class LatrGenerator:
+class LatrGenerator(Generator):
     def __init__(self, cfg, tokenizer):
         self.group_size, self.cfg = cfg.generate.group_size, cfg.generate.latr
         self.max_len = cfg.generate.max_new_tokens

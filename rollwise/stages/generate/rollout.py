@@ -14,7 +14,8 @@ import dataclasses
 from contextlib import nullcontext
 from typing import Callable
 
-from rollwise.engine import Completion, Event, Request, SamplingParams
+from rollwise import registry
+from rollwise.engine import Completion, Engine, Event, Request, SamplingParams
 from rollwise.stages.control.inflight import CONTINUE, Decision, InflightController
 from rollwise.stages.ledger import Ledger
 from rollwise.types import Group, Sample, Status
@@ -27,14 +28,18 @@ EventHook = Callable[[Event, Sample, "Rollout"], Decision | None]
 
 class Rollout:
     def __init__(self, engine, controller: InflightController, ledger: Ledger,
-                 params: SamplingParams):
+                 params: SamplingParams, gate=None):
+        """gate: the asynchronous loop's WeightGate (rollwise.loop.async_), held for each
+        engine step and its events so that no weight push lands between them; None when
+        nothing pushes weights during the round."""
+        engine = registry.conform(engine, Engine, "the rollout's engine")
         if engine.has_unfinished():
             raise RuntimeError("a rollout round needs an idle engine, but requests from an "
                                "earlier round are still in flight")
-        reset = getattr(engine, "reset_prefix_cache", None)
-        if reset is not None:  # a round reuses only its own K/V: its numbers never depend on
-            reset()  # what an earlier round (an evaluation, say) left in the cache
+        # a round reuses only its own K/V: its numbers never depend on what an earlier round
+        engine.reset_prefix_cache()  # (an evaluation, say) left in the cache
         self.engine, self.controller, self.ledger, self.params = engine, controller, ledger, params
+        self.gate = gate
         self.groups: list[Group] = []  # every group of the round, in the order added
         self.completed: list[Group] = []  # groups whose every sample finished, in that order
         self._owner: dict[int, tuple[Group, Sample, int]] = {}  # seq -> group, sample, base
@@ -121,9 +126,8 @@ class Rollout:
         """Step the engine until every request ended or a decision ended the round; then the
         round's unfinished requests are paused (or aborted) as that decision says. Running it
         again continues what was added since (nothing, once a decision ended the round)."""
-        gate = getattr(self.engine, "gate", None)  # the asynchronous loop's (loop/async_.py)
         while self._stop is None and self.engine.has_unfinished():
-            with gate.shared() if gate is not None else nullcontext():
+            with self.gate.shared() if self.gate is not None else nullcontext():
                 for ev in self.engine.step():  # no weight push between a step and its events
                     self._event(ev, on_event)
         if self._stop is not None and self._owner:

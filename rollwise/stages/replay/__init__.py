@@ -5,8 +5,15 @@ are carried by APRIL's in-flight controller (rollwise.stages.control.april) and 
 checkpoints through its state_dict.
 """
 
-from rollwise.stages.replay.buffer import (BufferReplay, NoReplay, Replay, ReplayBuffer,
-                                           build_replay, replay_metrics, replay_quota)
+from rollwise.stages.replay.buffer import (
+           BufferReplay,
+           NoReplay,
+           Replay,
+           ReplayBuffer,
+           build_replay,
+           replay_metrics,
+           replay_quota,
+)
 from rollwise.stages.replay.curriculum import Curriculum, PromptStats, build_curriculum
 
 __all__ = ["BufferReplay", "Curriculum", "NoReplay", "PromptStats", "Replay", "ReplayBuffer",

@@ -19,10 +19,11 @@ rollwise.training.correction) sees exactly how stale each token is.
 
 from __future__ import annotations
 
+import abc
 import random
 from collections import OrderedDict
-from typing import Protocol
 
+from rollwise import registry
 from rollwise.types import Group
 
 
@@ -85,24 +86,29 @@ class ReplayBuffer:
         self.evicted = dict(state["evicted"])
 
 
-class Replay(Protocol):
+class Replay(abc.ABC):
     """The Replay stage: groups reused without generating them again. Stale groups keep their
     behaviour log-probabilities and versions, so the trainer corrects them exactly."""
 
+    @abc.abstractmethod
     def take(self, slots: int, version: int, rng: random.Random) -> list[Group]:
         """Groups for up to `slots - 1` of a batch's prompt slots (one stays fresh)."""
 
+    @abc.abstractmethod
     def put(self, groups: list[Group]) -> None:
         """This step's freshly scored groups, kept or not."""
 
-    def metrics(self, taken: list[Group], slots: int, version: int) -> dict[str, float]: ...
+    def metrics(self, taken: list[Group], slots: int, version: int) -> dict[str, float]:
+        return {}
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
-class NoReplay:
+class NoReplay(Replay):
     """replay.enabled = false: every group is generated."""
 
     def __init__(self, cfg=None):
@@ -124,7 +130,7 @@ class NoReplay:
         pass
 
 
-class BufferReplay:
+class BufferReplay(Replay):
     """DOTS rollout replay: replay.share of each batch from a ReplayBuffer (see the module
     docstring); cfg: the run's Config."""
 
@@ -151,9 +157,9 @@ class BufferReplay:
 
 def build_replay(cfg) -> Replay:
     """The configured Replay stage (cfg: the run's Config)."""
-    from rollwise import registry
     name = cfg.replay.strategy if cfg.replay.enabled else "none"
-    return registry.resolve("replay", name, "replay.strategy")(cfg)
+    factory = registry.resolve("replay", name, "replay.strategy")
+    return registry.conform(factory(cfg), Replay, "replay.strategy")
 
 
 def replay_quota(share: float, batch: int, available: int) -> int:

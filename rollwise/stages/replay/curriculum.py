@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from rollwise.tasks import Problem
+from rollwise.stages.filter.user import import_object
+from rollwise.types import Problem
 
 
 @dataclass
@@ -109,7 +110,6 @@ def build_curriculum(cfg) -> Curriculum | None:
         keep = cfg.curriculum_keep
         return Curriculum(lambda pool, stats, step: frontier(pool, stats, step, keep))
     if ":" in name:
-        from rollwise.stages.filter.user import import_object
         try:
             return Curriculum(import_object(name))
         except ValueError as e:

@@ -1,0 +1,105 @@
+"""Memory and precision options of the trainer: token-budget micro-batches, gradient
+checkpointing and bf16 parameters with fp32 master weights, each against the plain update."""
+
+import copy
+
+import pytest
+import torch
+from train_helpers import capture_grads, clone, make_groups
+
+from rollwise.config import SyncConfig, TrainConfig
+from rollwise.engine import BuiltinEngine
+from rollwise.store import checkpoint as ckpt
+from rollwise.sync import build_sync
+from rollwise.training.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def groups(tiny):
+    model, tok = tiny
+    return make_groups(model, tok, n_prompts=3, group_size=4, max_new_tokens=8, seed=5)
+
+
+def forward_shapes(model) -> list[tuple[int, int]]:
+    shapes = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True)
+    return shapes
+
+
+def one_update(model, tok, groups, **cfg):
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=1, **cfg),
+                      pad_id=tok.pad_token_id)
+    seen, shapes = capture_grads(trainer), forward_shapes(trainer.model)
+    metrics = trainer.update(clone(groups))
+    return torch.cat([g.flatten() for g in seen[0]]), metrics, shapes
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny, groups, pack):
+    model, tok = tiny
+    whole, m_whole, _ = one_update(model, tok, groups, pack_prompts=pack)
+    budget = 40  # a few rows of prompt + response per pass
+    cut, m_cut, shapes = one_update(model, tok, groups, pack_prompts=pack,
+                                    max_tokens_per_microbatch=budget)
+    assert whole.abs().max() > 0
+    assert (cut - whole).abs().max() <= 1e-5 * whole.abs().max()  # float rounding only
+    assert m_cut["train/loss"] == pytest.approx(m_whole["train/loss"], rel=1e-5, abs=1e-7)
+    if not pack:  # padded passes: every pass holds at most the budget (or one long row)
+        assert len(shapes) > 2 and all(r * t <= budget or r == 1 for r, t in shapes)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny, groups):
+    model, tok = tiny
+    plain, m_plain, _ = one_update(model, tok, groups)
+    ckpt_grad, m_ckpt, _ = one_update(model, tok, groups, gradient_checkpointing=True)
+    trainer = Trainer(copy.deepcopy(model), TrainConfig(gradient_checkpointing=True),
+                      pad_id=tok.pad_token_id)
+    assert trainer.model.is_activation_checkpointing  # it is on, so the equality means something
+    assert (ckpt_grad - plain).abs().max() <= 1e-5 * plain.abs().max()
+    assert m_ckpt["train/loss"] == pytest.approx(m_plain["train/loss"], rel=1e-5)
+
+
+def test_bf16_parameters_train_on_fp32_master_weights_and_the_engine_gets_their_cast(
+        tiny, groups):
+    model, tok = tiny
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    trainer = Trainer(bf16, TrainConfig(lr=1e-4, minibatches=2), pad_id=tok.pad_token_id)
+    assert trainer.master is not None
+    engine = BuiltinEngine(trainer.model, seed=0)
+    sync = build_sync(SyncConfig(mode="sparse"), trainer, engine)
+    start = [m.detach().clone() for m in trainer.master.params()]
+    for _ in range(2):
+        trainer.update(clone(groups))
+        sync.push()
+    masters = trainer.master.params()
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(s.dtype == torch.float32 for st in trainer.optimizer.state.values()
+               for s in st.values() if torch.is_tensor(s) and s.dim() > 0)
+    params = dict(trainer.model.named_parameters())
+    engine_weights = dict(engine.model.named_parameters())
+    for (name, p), m in zip(params.items(), masters):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, m.to(torch.bfloat16))  # the model holds the master's cast
+        assert torch.equal(engine_weights[name], m.to(torch.bfloat16))  # and so does the engine
+    # lr 1e-4 moves weights by less than bf16 resolves: the master keeps what the cast drops
+    moved = torch.cat([(m - s).flatten() for m, s in zip(masters, start)])
+    assert moved.abs().max() > 0
+    hidden = torch.cat([(m - m.to(torch.bfloat16).float()).flatten() for m in masters])
+    assert hidden.abs().max() > 0
+
+
+def test_master_weights_survive_a_checkpoint(tiny, groups):
+    model, tok = tiny
+    a = Trainer(copy.deepcopy(model).to(torch.bfloat16), TrainConfig(lr=1e-4),
+                pad_id=tok.pad_token_id)
+    a.update(clone(groups))
+    state = copy.deepcopy(ckpt.trainer_state(a))
+    b = Trainer(copy.deepcopy(model).to(torch.bfloat16), TrainConfig(lr=1e-4),
+                pad_id=tok.pad_token_id)
+    ckpt.set_trainer_state(b, state)
+    assert all(torch.equal(x, y) for x, y in zip(a.master.params(), b.master.params()))
+    a.update(clone(groups))
+    b.update(clone(groups))
+    assert all(torch.equal(x, y) for x, y in zip(a.master.params(), b.master.params()))
