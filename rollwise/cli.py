@@ -83,13 +83,17 @@ def cmd_eval(args) -> int:
     scorer = eval_scorer(cfg.filter, task)
     prompter = Prompter.for_task(cfg.task, tok, task, model)
     engine = BuiltinEngine(model, copy_model=False)
-    if args.vote is None:  # played as the run's generation strategy plays its samples
-        metrics = build_generator(cfg, tok).evaluate(engine, prompter, task.eval, cfg, scorer)
-    else:
-        metrics = vote(engine, prompter, task.eval, scorer, task.extract_answer,
-                       cfg.generate.max_new_tokens, cfg.run.eval_samples,
-                       cfg.run.eval_temperature,
-                       None if args.vote == "majority" else quality_head(cfg, model_dir, model))
+    try:
+        if args.vote is None:  # played as the run's generation strategy plays its samples
+            metrics = build_generator(cfg, tok).evaluate(engine, prompter, task.eval, cfg,
+                                                         scorer)
+        else:
+            weigh = None if args.vote == "majority" else quality_head(cfg, model_dir, model)
+            metrics = vote(engine, prompter, task.eval, scorer, task.extract_answer,
+                           cfg.generate.max_new_tokens, cfg.run.eval_samples,
+                           cfg.run.eval_temperature, weigh)
+    finally:
+        scorer.close()  # its verifier workers
     print(json.dumps(metrics, indent=2))
     return 0
 

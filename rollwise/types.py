@@ -138,6 +138,7 @@ class Group:
     prompt_id: str
     samples: list[Sample]
     problem: Any = None  # the task's Problem (prompt text, answer) the samples answer
+    unscored: int = 0  # samples left out because no verifier could score them (Filter)
 
     @property
     def rewards(self) -> list[float]:
@@ -159,8 +160,9 @@ class Group:
 
     @property
     def is_mixed(self) -> bool:
-        """True when rewards differ, i.e. the group carries a learning signal."""
-        r = self.rewards
+        """True when the rewards of its scored samples differ, i.e. the group carries a
+        learning signal (an unscored sample's 0 is no reward)."""
+        r = [s.reward for s in self.samples if s.status != Status.FAILED]
         return len(r) > 1 and max(r) != min(r)
 
 

@@ -100,7 +100,8 @@ class EpisodeGenerator(Generator):
             group = Group(p.id, [], p)
             for _ in range(n or p.group_size or self.group_size):
                 e = self._start(p, group, step)
-                self.live[e.sample.uid] = e
+                if not e.done:  # an environment that failed to start ended its episode
+                    self.live[e.sample.uid] = e
                 started.append(e)
             rollout.add(group)
             self.ledger.decide("agent", "episode", "start", len(group.samples))
@@ -116,8 +117,8 @@ class EpisodeGenerator(Generator):
             for group in list(rollout.groups):
                 for s in list(group.samples):
                     e = self.live.get(s.uid)
-                    if e is None or not s.finished:
-                        continue  # not an episode's current sample, or paused mid-turn
+                    if e is None or e.done or not s.finished:
+                        continue  # not a live episode's current sample, or paused mid-turn
                     self._after_turn(e)
                     if e.done:
                         self.live.pop(s.uid, None)

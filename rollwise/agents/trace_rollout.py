@@ -146,7 +146,8 @@ class TraceGenerator(EpisodeGenerator):
                 s.meta["replay_error"] = f"{type(ex).__name__}: {ex}"
                 return None
         e.sample.meta.update(trace_anchor=anchor["key"], trace_depth=anchor["depth"])
-        self.live[e.sample.uid] = e
+        if not e.done:  # a fresh episode whose environment failed to start has ended
+            self.live[e.sample.uid] = e
         self.ledger.decide("trace", "continue", f"depth{anchor['depth']}")
         return e
 

@@ -35,6 +35,7 @@ def trained_versions(r: StepResult) -> list[int]:
 
 def step_metrics(r: StepResult) -> dict[str, float]:
     samples = [s for g in r.scored for s in g.samples]
+    scored = [s for s in samples if s.status != Status.FAILED]  # an unscored 0 is no reward
     n_gen = sum(s.num_tokens for s in samples)
     trained = trained_versions(r)
     ledger = r.ledger.metrics()
@@ -45,7 +46,7 @@ def step_metrics(r: StepResult) -> dict[str, float]:
         **r.replay, **r.filter, **r.control, **r.engine,
         "perf/gen_seconds": r.seconds["gen"], **r.train,
         "perf/train_seconds": r.seconds["train"], **r.sync, **ledger,
-        "step": r.step, "reward/mean": sum(s.reward for s in samples) / len(samples),
+        "step": r.step, "reward/mean": sum(s.reward for s in scored) / max(len(scored), 1),
         "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),
         "groups/scored": len(r.scored), "groups/trained": len(r.trained),
         "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),

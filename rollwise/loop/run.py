@@ -32,7 +32,7 @@ from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
 from rollwise.stages.control.stage import Control
 from rollwise.stages.filter import eval_scorer
-from rollwise.stages.filter.groups import build_group_filter, keep
+from rollwise.stages.filter.groups import build_group_filter, keep, scored_part
 from rollwise.stages.generate import (
     build_generator,
     check_generator,
@@ -213,8 +213,8 @@ class Run:
             self.progress.phase("score")
             _add(r.filter, self.filter.score(groups))                          # Filter
             self.extend(groups, r, ledger)  # DARS: more samples for hard prompts
-            r.scored += groups
-            for g in groups:
+            r.scored += groups  # stored as scored: an unscored sample with its reason
+            for g in [scored_part(g, ledger) for g in groups]:  # it is never trained
                 (kept if keep(self.filter, g, ledger) else r.dropped).append(g)
         r.trained = self.control.trim(kept, want, ledger) + replayed
         # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
@@ -223,9 +223,11 @@ class Run:
         r.engine = self.engine.metrics()  # Ray's pool: worker deaths, re-queued requests
         r.seconds["gen"] = time.time() - t0
         self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
-        self.control.observe(r.scored, step)  # Control and Replay learn from every scored group
+        # Control and Replay learn from every scored group, never from an unscored sample
+        learned = [g for g in (scored_part(g, Ledger()) for g in r.scored) if g.samples]
+        self.control.observe(learned, step)
         r.control = self.control.metrics()
-        self.replay.put(r.scored)
+        self.replay.put(learned)
         return r
 
     def consume(self, r: StepResult, push=None) -> StepResult:
@@ -326,7 +328,7 @@ class Run:
         if self.closed:
             return
         self.closed = True
-        for part in (self.engine, self.trainer, self.filter):
+        for part in (self.engine, self.trainer, self.filter, self.eval_scorer):
             part.close()
 
     def __enter__(self) -> "Run":

@@ -403,6 +403,10 @@ class Trainer:
         the step generated but Filter left out (their advantages are all 0); with
         train.loss_denominator = generated they count in the loss's denominators, as if they
         were in the batch, at no compute."""
+        unscored = [s.uid for g in groups for s in g.samples if s.status == Status.FAILED]
+        if unscored:  # Filter's scored_part leaves them out; a caller that did not is a bug
+            raise RuntimeError(f"{len(unscored)} sample(s) no verifier could score reached the "
+                               f"trainer (e.g. {unscored[0]}); train on scored samples only")
         self.model.train()
         metrics: dict[str, float] = {"train/samples": float(sum(len(g.samples) for g in groups))}
         groups = [g for g in groups if g.samples]

@@ -268,3 +268,38 @@ def test_the_character_model_calls_tools_in_plain_form():
     s = group.samples[0]
     assert tok.decode(s.response_ids) == "calculator(417*386)<eos>;tool: 160962;160962<eos>"
     assert s.meta["env_reward"] == 1.0 and s.meta["env_tool_calls"] == 1
+
+
+STEPPED: list[str] = []
+
+
+class ResetFails:
+    def __init__(self, cfg, problem):
+        pass
+
+    def reset(self, problem):
+        raise RuntimeError("no sandbox")
+
+    def step(self, action):
+        STEPPED.append(action)
+        return None, 0.0, True, {}
+
+
+def factory_fails(cfg, problem):
+    raise OSError("cannot start the environment")
+
+
+@pytest.mark.parametrize("env, error", [("ResetFails", "reset: RuntimeError: no sandbox"),
+                                        ("factory_fails", "OSError: cannot start the environment")])
+def test_an_environment_that_cannot_start_ends_its_episode_with_the_real_reason(env, error):
+    """Never stepped, never played, its reason kept, ended once as an error; the episode's
+    sample is FAILED, so it is stored but never trained."""
+    STEPPED.clear()
+    tok, cfg, p, params = chat_setup([f"generate.env=test_agent_episodes:{env}"])
+    group, decisions, engine = run_episodes(tok, cfg, p, params, lambda conv: "x<|im_end|>")
+    assert STEPPED == [] and engine.requests == []  # nothing generated for it either
+    assert [s.status for s in group.samples] == [Status.FAILED] * 2
+    assert all(s.meta["env_error"].endswith(error) for s in group.samples)
+    assert all(s.meta["episode_end"] == "error" for s in group.samples)
+    ends = {k: v for k, v in decisions.items() if k.startswith("agent/end/")}
+    assert ends == {"agent/end/error": 2} and decisions["agent/episode/start"] == 2

@@ -62,6 +62,13 @@ def test_failing_reward_marks_samples_failed_and_run_goes_on(run):
     lines = [json.loads(x) for x in open(cfg.run.root + "/t/metrics.jsonl")][1:]
     assert sum(m.get("filter/failed", 0) for m in lines) == len(failed)
     assert sum(m.get("filter/failed/error", 0) for m in lines) == len(failed)
+    # stored with their reason, never trained (the trainer refuses one: the run finished)
+    assert summary["steps"] == cfg.train.steps
+    assert sum(m.get("decisions/filter/unscored/verifier_failed", 0) for m in lines) == \
+        len(failed)
+    assert sum(m.get("tokens/unscored", 0) for m in lines) == sum(s.num_tokens for s in failed)
+    assert sum(m.get("decisions/filter/drop/too_few_scored", 0) for m in lines) == \
+        len({s.group_id for s in failed})  # every sample of such a group failed
 
 
 def test_eval_command_reproduces_the_end_figure(run, capsys):

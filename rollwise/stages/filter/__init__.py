@@ -10,7 +10,8 @@ protocol is in base.py, the worker pool in pool.py. See docs/filter.md.
 
 `make_scorer(name, task)` and `eval_scorer(cfg, task)` give a per-sample scorer
 score(response, problem) -> (reward, info) for held-out evaluation, which always compares
-with the true answer (a majority-vote, judge, format or length reward evaluates as exact).
+with the true answer (a majority-vote, judge, format or length reward evaluates as exact) and
+runs an isolated verifier with the same timeout as training (HeldOutScorer).
 """
 
 from __future__ import annotations
@@ -31,30 +32,46 @@ from rollwise.tasks.extract import make_extractor
 from rollwise.types import Problem, Scorer
 
 __all__ = ["Item", "Verdict", "Verifier", "FilterStage", "build_filter", "make_scorer",
-           "eval_scorer", "import_object", "Scorer"]
+           "eval_scorer", "import_object", "Scorer", "HeldOutScorer"]
 
 
-def make_scorer(name: str, task: Task, cfg=None) -> Scorer:
-    """Per-sample scorer for evaluation: verifier `name` against the true answer, in-process.
-    Names that carry no ground truth (majority, judge, format, length) score as 'exact'."""
+class HeldOutScorer:
+    """score(response, problem) -> (reward, info) against the true answer, for evaluation. Its
+    verifier runs as in training: an isolated one (a user function, math-verify, code) in a
+    worker process, each sample cut off after filter.timeout_s (a hang is a wrong answer,
+    never a hung run); with filter.workers=0, or a function a worker process cannot import
+    (defined in __main__ or a notebook), in this process with no time limit. close() ends
+    the worker."""
+
+    def __init__(self, stage: FilterStage):
+        self.stage = stage
+
+    def __call__(self, response: str, problem: Problem) -> tuple[float, str]:
+        verdicts = self.stage.verdicts([Item(response, problem)])[0]
+        rewards, reward, info, cause = self.stage.combine(verdicts)
+        if cause:
+            raise RuntimeError(f"scoring failed ({cause}): {info}")
+        return reward, info
+
+    def close(self) -> None:
+        self.stage.close()
+
+
+def make_scorer(name: str, task: Task, cfg=None) -> HeldOutScorer:
+    """The held-out scorer of verifier `name` (cfg: FilterConfig, for its workers and
+    timeout). Names that carry no ground truth (majority, judge, format, length) score as
+    'exact'."""
     cfg = cfg or FilterConfig()
     if name not in CORRECTNESS and ":" not in name:
         name = "exact"
     verifier = make_verifier(name, cfg, task)
     verifier.name = name.rsplit(":", 1)[-1] if ":" in name else name
-    stage = FilterStage([Channel(verifier.name, 1.0, verifier)],
-                        _extractor(cfg, task), workers=0)
-
-    def score(response: str, problem: Problem) -> tuple[float, str]:
-        verdicts = stage.verdicts([Item(response, problem)])[0]
-        rewards, reward, info, cause = stage.combine(verdicts)
-        if cause:
-            raise RuntimeError(f"scoring failed ({cause}): {info}")
-        return reward, info
-    return score
+    workers = min(cfg.workers, 1)  # it scores one response at a time
+    return HeldOutScorer(FilterStage([Channel(verifier.name, 1.0, verifier)],
+                                     _extractor(cfg, task), workers, cfg.timeout_s))
 
 
-def eval_scorer(cfg, task: Task) -> Scorer:
+def eval_scorer(cfg, task: Task) -> HeldOutScorer:
     """The scorer held-out pass@1 should use for a training config (cfg: FilterConfig): its
     first ground-truth verifier (exact, math, gym, code or a user function), else exact."""
     names = list(weights_of(cfg.reward))

@@ -3,19 +3,24 @@ the composite reward), then keep or drop each group, with the reason.
 
     flt = build_group_filter(cfg, task, tokenizer)
     metrics = flt.score(groups)                 # rewards into every sample
-    kept = [g for g in groups if keep(flt, g, ledger)]   # drops counted by reason
+    parts = [scored_part(g, ledger) for g in groups]    # what may be trained
+    kept = [g for g in parts if keep(flt, g, ledger)]   # drops counted by reason
 
 Rewards are final here: shaping such as DAPO's soft overlong penalty is a reward channel
-(`length`), so the trainer takes scored groups as they are.
+(`length`), so the trainer takes scored groups as they are. A sample no verifier could score
+(status FAILED: it raised, hung, crashed or returned garbage) is stored with its reason but
+never trained on, nor counted in its group's statistics: `scored_part` leaves it out, and a
+group left with too few scored samples is dropped (reason `too_few_scored`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from rollwise.stages.filter.stage import FilterStage, build_filter
 from rollwise.stages.ledger import Ledger
-from rollwise.types import Group
+from rollwise.types import Group, Status
 
 KEEP = (True, "")
 
@@ -70,9 +75,26 @@ def build_group_filter(cfg, task, tokenizer) -> RewardFilter:
                         cfg.filter.drop_equal_reward_groups)
 
 
+def scored_part(group: Group, ledger: Ledger) -> Group:
+    """The group without its unscored samples (status FAILED), which are counted (decision
+    filter/unscored/<n>, tokens/unscored) and marked so `keep` drops a group they leave with
+    fewer than two scored samples of two or more. The group itself, when all were scored."""
+    failed = [s for s in group.samples if s.status == Status.FAILED]
+    if not failed:
+        return group
+    ledger.decide("filter", "unscored", "verifier_failed", len(failed))
+    ledger.tokens_to("unscored", sum(s.num_tokens for s in failed))
+    scored = [s for s in group.samples if s.status != Status.FAILED]
+    return dataclasses.replace(group, samples=scored, unscored=len(failed))
+
+
 def keep(flt: Filter, group: Group, ledger: Ledger) -> bool:
-    """flt.keep, with a drop counted in the ledger by its reason (decisions and tokens)."""
-    kept, reason = flt.keep(group)
+    """flt.keep, with a drop counted in the ledger by its reason (decisions and tokens). A
+    group that lost samples to failed scoring is kept only with at least two scored samples
+    (one when it had one to begin with)."""
+    n = len(group.samples)
+    kept, reason = (False, "too_few_scored") if n < min(2, n + group.unscored) else \
+        flt.keep(group)
     if not kept:
         ledger.decide("filter", "drop", reason)
         ledger.tokens_to(f"filtered/{reason}", sum(s.num_tokens for s in group.samples))

@@ -7,9 +7,10 @@ import copy
 import pytest
 from train_helpers import make_groups, params_equal
 
-from rollwise.config import Config, FilterConfig, TrainConfig
+from rollwise import models
+from rollwise.config import Config, FilterConfig, ModelConfig, TrainConfig
 from rollwise.stages.filter.fmt import overlong_penalty
-from rollwise.stages.filter.groups import build_group_filter, keep, signal
+from rollwise.stages.filter.groups import build_group_filter, keep, scored_part, signal
 from rollwise.stages.ledger import Ledger
 from rollwise.training.trainer import Trainer
 from rollwise.types import Group, Problem, Sample, Status
@@ -109,3 +110,47 @@ def test_the_trainer_takes_filter_rewards_as_they_are(tiny):
     assert trainer.rewards(samples).tolist() == pytest.approx(expected)
     m = trainer.update(groups)
     assert m["train/reward_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+
+
+def test_an_unscored_sample_leaves_its_group_and_is_counted():
+    """A sample no verifier could score is left out of what is trained and of the group's
+    statistics (its reward 0 is no reward); a group it leaves with one scored sample is dropped."""
+    failed = _sample(0.0, 5, Status.FAILED)
+    mixed_only_by_failure = Group("a", [_sample(1.0), _sample(1.0), failed])
+    assert not mixed_only_by_failure.is_mixed  # 1, 1 and an unscored 0: no signal
+
+    class Rule:
+        def keep(self, g):
+            return signal(g)
+    ledger = Ledger()
+    part = scored_part(mixed_only_by_failure, ledger)
+    assert part.samples == mixed_only_by_failure.samples[:2] and failed not in part.samples
+    assert mixed_only_by_failure.samples[2] is failed  # the stored group keeps it
+    assert not keep(Rule(), part, ledger)  # equal rewards among the scored ones
+    lone = scored_part(Group("b", [_sample(1.0), _sample(0.0, 2, Status.FAILED)]), ledger)
+    assert not keep(KeepAll(), lone, ledger)  # even a rule that keeps everything
+    assert not keep(KeepAll(), scored_part(Group("c", [failed]), ledger), ledger)
+    single = Group("d", [_sample(1.0)])  # a group of one, all scored: the rule decides
+    assert keep(KeepAll(), scored_part(single, ledger), ledger)
+    m = ledger.metrics()
+    assert m["decisions/filter/unscored/verifier_failed"] == 3
+    assert m["tokens/unscored"] == 5 + 2 + 5
+    assert m["decisions/filter/drop/too_few_scored"] == 2
+    assert m["decisions/filter/drop/equal_reward"] == 1
+
+
+class KeepAll:
+    def keep(self, g):
+        return True, ""
+
+
+def test_the_trainer_refuses_an_unscored_sample():
+    groups = [Group("a", [_sample(1.0), _sample(0.0, 3, Status.FAILED)])]
+    trainer = Trainer(build_tiny(), TrainConfig(), pad_id=0)
+    with pytest.raises(RuntimeError, match="no verifier could score reached the trainer"):
+        trainer.update(groups)
+
+
+def build_tiny():
+    return models.build(ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=32), seed=0)[0]

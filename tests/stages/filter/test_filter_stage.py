@@ -11,12 +11,14 @@ import pytest
 
 from rollwise.config import FilterConfig, TaskConfig
 from rollwise.engine import BuiltinEngine, Completion
+from rollwise.evaluate import evaluate
 from rollwise.stages.filter import build_filter, eval_scorer, make_scorer
 from rollwise.stages.filter.base import Item
 from rollwise.stages.filter.fmt import overlong_penalty
 from rollwise.stages.filter.judge import JudgeVerifier, parse_verdict
 from rollwise.stages.filter.majority import MajorityVerifier
 from rollwise.tasks import Problem, load_task
+from rollwise.tasks.prompts import Prompter
 from rollwise.types import Sample, Status
 
 
@@ -302,3 +304,29 @@ def test_math_channel_through_the_pool(task):
         stage.close()
     assert [x.reward for x in s] == [1.0, 0.0, 1.0, 0.0] and m["filter/failed"] == 0
     assert Counter(x.rewards["math"] for x in s) == Counter({1.0: 2, 0.0: 2})
+
+
+@pytest.mark.integration  # worker processes started three times (about 20 s)
+def test_a_reward_that_hangs_on_a_held_out_problem_is_cut_off_by_the_timeout(tiny):
+    """Evaluation scores as training does: a user function in a worker process with
+    filter.timeout_s, so a hang is a wrong answer, never a hung run."""
+    task = load_task(TaskConfig(eval_size=40))
+    scorer = eval_scorer(FilterConfig(reward="filter_userfns:flaky", timeout_s=1.0), task)
+    try:
+        p = task.eval[0]
+        with pytest.raises(RuntimeError, match=r"scoring failed \(timeout\)"):
+            scorer("hang", p)
+        assert scorer(p.answer[::-1], p) == (1.0, "checked")  # a fresh worker goes on
+
+        class Hangs(BuiltinEngine):  # every response is "hang"
+            def generate(self, requests):
+                out = super().generate(requests)
+                for c in out:
+                    c.token_ids = tok("hang")["input_ids"]
+                return out
+        model, tok = tiny
+        t0 = time.monotonic()
+        m = evaluate(Hangs(model), Prompter.plain(tok), task.eval[:1], scorer, 4)
+        assert m["eval/pass1"] == 0.0 and time.monotonic() - t0 < 30
+    finally:
+        scorer.close()
