@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import sys
@@ -36,8 +37,7 @@ def _load(args) -> Config:
 def cmd_train(args) -> int:
     from rollwise.loop.run import train
     if args.resume is None:
-        train(_load(args))
-        return 0
+        return _exit_code(train(_load(args)))
     run = Path(args.resume)
     if args.config:
         raise ConfigError("--resume uses the run's own config.yaml; give changes as "
@@ -47,8 +47,13 @@ def cmd_train(args) -> int:
                           f"e.g. runs/default")
     cfg = load_config(run / "config.yaml", args.overrides)
     cfg.run.root, cfg.run.name = str(run.parent), run.name
-    train(cfg, resume=True)
-    return 0
+    return _exit_code(train(cfg, resume=True))
+
+
+def _exit_code(summary: dict) -> int:
+    """0 for a finished run; 128 + the signal's number for one a signal stopped after a
+    checkpoint (130 Ctrl-C, 143 SIGTERM), so a scheduler sees it did not finish."""
+    return 128 + summary["stopped_by"] if "stopped_at" in summary else 0
 
 
 def cmd_sft(args) -> int:
@@ -238,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rollwise: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"rollwise: {e}", file=sys.stderr)  # the run's own message names the fix
+        return 1
     except KeyboardInterrupt:
         print("rollwise: interrupted", file=sys.stderr)
         return 130

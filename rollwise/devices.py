@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from rollwise.config import ConfigError
+
 
 def resolve_device(name: str) -> torch.device:
     """cpu, cuda (an error naming the fix when torch sees none), or auto (cuda when visible)."""
@@ -13,9 +15,9 @@ def resolve_device(name: str) -> torch.device:
     has_cuda = torch.cuda.is_available()
     if name == "cuda" and not has_cuda:
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise ValueError(f"run.device = cuda, but torch {torch.__version__} ({build}) sees no "
+        raise ConfigError(f"run.device = cuda, but torch {torch.__version__} ({build}) sees no "
                          "CUDA device: set run.device=cpu (or auto), or install a CUDA build of "
                          "torch on a machine with a GPU")
     if name not in ("auto", "cuda"):
-        raise ValueError(f"run.device = {name!r}: use auto, cpu or cuda")
+        raise ConfigError(f"run.device = {name!r}: use auto, cpu or cuda")
     return torch.device("cuda" if has_cuda else "cpu")

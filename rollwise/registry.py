@@ -111,12 +111,19 @@ def is_dotted(name: str) -> bool:
 
 
 def check(kind: str, name: str, key: str) -> str:
-    """`name` if it is a known name or a well-formed dotted path, else a ValueError naming
-    the config `key` and the known names (what config validation raises)."""
-    if name in names(kind) or is_dotted(name):
+    """`name` if it is a known name, or a dotted path that imports to a class or function;
+    else a ValueError naming the config `key` and what is wrong (what config validation
+    raises, so a misspelt plugin stops before any work)."""
+    if name in names(kind):
         return name
-    raise ValueError(f"{key} = {name!r}: unknown {kind}; choose from {', '.join(names(kind))} "
-                     "or give 'package.module:attr'")
+    if not is_dotted(name):
+        raise ValueError(f"{key} = {name!r}: unknown {kind}; choose from "
+                         f"{', '.join(names(kind))} or give 'package.module:attr'")
+    obj = resolve(kind, name, key)
+    if not callable(obj):
+        raise ValueError(f"{key} = {name!r} is {type(obj).__name__} {obj!r:.40}, not a class "
+                         f"or function; name the {kind} factory")
+    return name
 
 
 def resolve(kind: str, name: str, key: str | None = None) -> Any:
@@ -124,7 +131,8 @@ def resolve(kind: str, name: str, key: str | None = None) -> Any:
     key = key or kind
     if (kind, name) in _cache:
         return _cache[(kind, name)]
-    check(kind, name, key)
+    if name not in names(kind) and not is_dotted(name):
+        check(kind, name, key)  # raises, listing the known names
     target = _added[kind].get(name, BUILTIN[kind].get(name, name))
     obj = _import(target, key, name) if isinstance(target, str) else target
     _cache[(kind, name)] = obj

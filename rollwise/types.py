@@ -88,6 +88,13 @@ class Sample:
         if entropies is not None:
             self.entropies += entropies
 
+    def cut(self, n: int) -> None:
+        """Keep the first n response tokens (and their columns): a limit an in-flight
+        controller names in tokens, applied after the engine ran past it."""
+        for name in ("response_ids", "logprobs", "versions", "loss_mask", "entropies"):
+            setattr(self, name, getattr(self, name)[:n])
+        self.chosen = [i for i in self.chosen if i < n]
+
     def fork(self) -> "Sample":
         """A child that continues from this sample's current end (its lineage: this parent
         and the branch point); the per-token columns are copied, not shared."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
 
 from rollwise.bench.crash import metric_rows
 from rollwise.cli import main
@@ -29,11 +31,14 @@ def fork_main(argv: list[str], kill_at: str | None = None, before_step=None) -> 
             os.environ.pop(ENV, None)
             if kill_at:
                 os.environ[ENV] = kill_at
-            if before_step is not None:
-                step = Run.step
-                Run.step = lambda self, n: (before_step(n), step(self, n))[1]
+            if before_step is not None:  # before each step's generation, in either loop
+                produce = Run.produce
+                Run.produce = lambda self, n: (before_step(n), produce(self, n))[1]
             code = main(argv)
+        except BaseException:  # as the interpreter would: the traceback on stderr
+            traceback.print_exc()
         finally:
+            sys.stderr.flush()
             os._exit(code)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
@@ -115,3 +120,11 @@ def flaky_reward(response, problem):
 def coin_reward(response, problem):
     """Deterministic 0/1 from the text, so groups are often mixed even for a random model."""
     return float(sum(map(ord, response + problem.id)) % 2), "coin"
+
+
+def hangs_sometimes(response, problem):
+    """A reward function that hangs on about one sample in eight (the fault matrix's)."""
+    import time
+    if sum(map(ord, response)) % 8 == 0:
+        time.sleep(3600)
+    return float(len(response) % 2), "parity"

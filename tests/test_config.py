@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import re
+
 import pytest
 import yaml
 from pydantic import BaseModel
@@ -136,10 +138,19 @@ def test_config_show_round_trips(capsys):
     ("control.inflight", "inflight"), ("generate.strategy", "generator"),
     ("replay.strategy", "replay"), ("engine.backend", "engine"), ("filter.reward", "verifier")])
 def test_every_seam_takes_a_known_name_or_a_dotted_path_and_lists_the_known_ones(key, kind):
+    """A dotted path is imported when the config is loaded, before any work: a misspelt
+    module or attribute, or an object that is not a class or function, stops there."""
     from rollwise import registry
     for name in registry.names(kind):  # every built-in name validates, imports nothing
         load_config(None, [f"{key}={name}"])
-    assert load_config(None, [f"{key}=my_pkg.mod:Thing"])  # imported when the run builds it
+    assert load_config(None, [f"{key}=fractions:Fraction"])  # any class or function imports
+    for wrong, says in (("my_pkg.mod:Thing", "cannot import my_pkg.mod:Thing "
+                                             "(ModuleNotFoundError"),
+                        ("fractions:NoSuchThing", "has no attribute 'NoSuchThing'"),
+                        ("math:pi", "is float 3.14")):
+        with pytest.raises(ConfigError, match=re.escape(f"{key} = {wrong!r}")) as err:
+            load_config(None, [f"{key}={wrong}"])
+        assert says in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"{key}=no_such_thing"])
     msg = str(err.value)

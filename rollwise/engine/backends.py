@@ -48,7 +48,8 @@ def builtin(cfg, model, tokenizer=None, run_dir=None):
                   prefix_cache_tokens=prefix_cache_tokens(cfg))
     dtype = None if cfg.sync.engine_dtype == "same" else engine_dtype(cfg, model)
     if cfg.sync.transport in WIRES:
-        return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport], **kwargs)
+        return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport],
+                             timeout_s=cfg.loop.wait_timeout_s, **kwargs)
     engine = BuiltinEngine(model, **kwargs)
     if dtype is not None:
         engine.model.to(dtype)

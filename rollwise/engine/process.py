@@ -41,10 +41,13 @@ class EngineProcess(Engine):
     socket (no shared memory; every byte moves, as over a network)."""
 
     def __init__(self, model, *, dtype: torch.dtype | None = None, threads: int | None = None,
-                 version: int = 0, wire: str = "shm", **engine_kwargs):
+                 version: int = 0, wire: str = "shm", timeout_s: float = 1800.0,
+                 **engine_kwargs):
+        """timeout_s: the longest any call waits for the child's answer (loop.wait_timeout_s);
+        past it the child is killed and the error names it."""
         if wire not in ("shm", "socket"):
             raise ValueError(f"engine process wire {wire!r}: use 'shm' or 'socket'")
-        self.wire = wire
+        self.wire, self.timeout_s, self._gone = wire, timeout_s, ""
         self._local = GrowingBuffer()  # the socket wire's arena, in this process
         ctx = mp.get_context("spawn")  # fork would copy a threaded torch runtime
         self._conn, child = ctx.Pipe()
@@ -69,10 +72,8 @@ class EngineProcess(Engine):
                        "here is a script without an `if __name__ == '__main__':` guard: the "
                        "spawned child imports it and runs it again")
         except BaseException:
-            self._proc.kill()  # it did not start: nothing to close gracefully
-            self._proc.join()
-            self._conn.close()
-            self._proc = None
+            if self._proc is not None:  # it did not start: nothing to close gracefully
+                self._abandon()
             raise
         self.load_weights(model.state_dict(), version)
 
@@ -158,7 +159,7 @@ class EngineProcess(Engine):
             if self.wire == "socket":
                 self._send("apply_bytes", pack_meta(meta), meta.nbytes)
                 self._send_bytes(self._local.take(meta.nbytes))
-                ack = self._recv()
+                ack = self._recv(self.timeout_s, "to apply a weight payload")
             else:
                 ack = self._call("apply", pack_meta(meta))
         except SyncError:
@@ -181,11 +182,11 @@ class EngineProcess(Engine):
     # --- process plumbing -------------------------------------------------------------------
     def _call(self, cmd: str, *args):
         self._send(cmd, *args)
-        return self._recv()
+        return self._recv(self.timeout_s, f"to answer {args[0] if cmd == 'call' else cmd!r}")
 
     def _send(self, cmd: str, *args) -> None:
         if self._proc is None:
-            raise EngineProcessError("the engine process is closed")
+            raise EngineProcessError(self._gone or "the engine process is closed")
         try:
             self._conn.send((cmd, args))
         except (BrokenPipeError, OSError) as e:
@@ -206,8 +207,10 @@ class EngineProcess(Engine):
                 if not self._proc.is_alive():
                     raise self._died()
                 if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                    raise EngineProcessError(f"waited {timeout_s:.0f}s for the engine "
-                                             f"process {waiting}")
+                    why = (f"waited {timeout_s:.0f}s for the engine process (pid "
+                           f"{self._proc.pid}) {waiting}; it is stopped or stuck, and was killed")
+                    self._abandon(why)  # a late answer would be read as the next call's
+                    raise EngineProcessError(why)
             reply = self._conn.recv()
         except (EOFError, OSError) as e:
             raise self._died() from e
@@ -222,6 +225,16 @@ class EngineProcess(Engine):
         self._proc.join(timeout=5)
         return EngineProcessError(f"the engine process died (exit code {self._proc.exitcode}); "
                                   f"a killed process (-9) usually means out of memory")
+
+    def _abandon(self, why: str = "") -> None:
+        """Kill a child that stopped answering; every later call says why it is gone."""
+        self._proc.kill()
+        self._proc.join(5)
+        self._conn.close()
+        self._proc, self._gone = None, why
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     def close(self) -> None:
         if self._proc is None:

@@ -24,7 +24,8 @@ ranks) and in rollwise.ray_cluster (starting it), nowhere else.
   the last full one are kept, so a worker that joins later replays them to the current version.
 - Faults: a worker that dies (or does not answer within loop.wait_timeout_s) is replaced; its
   requests go on elsewhere as continuations, prompt plus every token already delivered, with
-  the rest of the token budget: no rollout is lost and no token is produced twice. `join()` and
+  the rest of the token budget: no rollout is lost and no token is produced twice (their later
+  draws differ from an uninterrupted run's: see Seeds above). `join()` and
   `leave()` change the pool during a run. Metrics count the deaths and re-queued requests.
 """
 
@@ -155,8 +156,18 @@ class WorkerPool(Engine):
 
     # ---- membership ------------------------------------------------------------------------
     def join(self) -> int:
-        """Start one more worker, brought to the current weights; returns its key."""
-        return self._admit(*self._spawn())
+        """Start one more worker, brought to the current weights; returns its key. One that
+        dies while it starts is replaced in turn (MAX_TRIES in a row, then the run stops)."""
+        for _ in range(MAX_TRIES):
+            key, actor = self._spawn()
+            try:
+                return self._admit(key, actor)
+            except _WorkerLost:
+                self.counts["worker_deaths"] += 1
+                self._tokens.pop(key, None)
+                _kill(actor)
+        raise RuntimeError(f"{MAX_TRIES} rollout workers in a row died while starting; see the "
+                           f"Ray logs (/tmp/ray/session_latest/logs) for why")
 
     def _spawn(self) -> tuple[int, object]:
         key, self.next_key = self.next_key, self.next_key + 1
@@ -296,9 +307,18 @@ class WorkerPool(Engine):
         return PoolTransport(self)
 
     def sync_state(self):
-        key = next(iter(self.workers))
-        state = self._get(self.workers[key].sync_state.remote(), key, "report its weights")
+        state = self.ask_any(lambda actor: actor.sync_state.remote(), "report its weights")
         return dataclasses.replace(state, version=self.version)
+
+    def ask_any(self, call, what: str):
+        """call(actor) on a live worker; one lost meanwhile is replaced and another asked."""
+        for _ in range(MAX_TRIES):
+            key = next(iter(self.workers))
+            try:
+                return self._get(call(self.workers[key]), key, what)
+            except _WorkerLost:
+                self._lost(key)
+        raise RuntimeError(f"{MAX_TRIES} rollout workers in a row were lost asked to {what}")
 
     def _broadcast_full(self, state: dict, version: int) -> None:
         sender = Sender(self.sync_state().spec, keep_mirror=False, with_checksum=True,
@@ -325,8 +345,7 @@ class WorkerPool(Engine):
     def _fold_chain(self) -> None:
         """Replace the kept payloads by one full payload of a live worker's weights (the same
         bits, so the same checksums: later sparse payloads apply to a worker that joins)."""
-        key = next(iter(self.workers))
-        wired = self._get(self.workers[key].weights.remote(), key, "send its weights")
+        wired = self.ask_any(lambda actor: actor.weights.remote(), "send its weights")
         sender = Sender(self.sync_state().spec, keep_mirror=False, with_checksum=True,
                         bucket_bytes=2**62)
         meta, arena = sender.encode({k: from_wire(v) for k, v in wired.items()}, self.version,
@@ -395,10 +414,7 @@ class WorkerPool(Engine):
         if actor is None:
             return
         self.counts["worker_deaths"] += 1
-        try:
-            ray.kill(actor)
-        except Exception:
-            pass
+        _kill(actor)
         self.join()  # a replacement at the current weights
         self._requeue(key)
 
@@ -431,16 +447,27 @@ class WorkerPool(Engine):
         return out
 
     def _get(self, ref, key, what: str, timeout: float | None = None):
+        """ray.get within the timeout; a worker that died meanwhile is _WorkerLost (its
+        caller replaces it), one that does not answer a TimeoutError naming it."""
         timeout = timeout or self.timeout
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"rollout worker {key} did not {what} within {timeout:.0f}s "
                                f"(loop.wait_timeout_s)") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+            raise _WorkerLost(key) from None
 
 
 class _WorkerLost(Exception):
     pass
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone
+        pass
 
 
 class PoolTransport:
@@ -459,8 +486,7 @@ class PoolTransport:
         return self.pool.apply(meta, arena)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        key = next(iter(self.pool.workers))
-        wired = self.pool._get(self.pool.workers[key].weights.remote(), key, "send its weights")
+        wired = self.pool.ask_any(lambda actor: actor.weights.remote(), "send its weights")
         return {k: from_wire(v) for k, v in wired.items()}
 
 

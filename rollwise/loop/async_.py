@@ -55,11 +55,19 @@ class WeightGate:
                 self._depth.n = depth
 
     @contextmanager
-    def exclusive(self):
+    def exclusive(self, timeout_s: float | None = None):
+        """The engine to the push alone, once the producer's engine call in progress ends
+        (at most timeout_s: a TimeoutError names the call that does not)."""
         self._no_push.clear()
         try:
-            with self._lock:
+            if not self._lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+                raise TimeoutError(f"waited {timeout_s:.0f}s (loop.wait_timeout_s) for the "
+                                   f"producer's engine call to end before pushing weights; "
+                                   f"the engine does not answer")
+            try:
                 yield
+            finally:
+                self._lock.release()
         finally:
             self._no_push.set()
 
@@ -129,7 +137,8 @@ class Pipeline:
             self.close()
 
     def _push(self) -> dict:
-        with self.gate.exclusive():
+        # twice the bound: an engine call that does not answer fails first, naming the engine
+        with self.gate.exclusive(2 * self.timeout):
             return self.run.sync.push()
 
     def _take(self, step: int) -> StepResult:

@@ -10,6 +10,7 @@ final model as a Hugging Face folder and the rollouts as Parquet.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -172,6 +173,11 @@ class Run:
         self.control = Control(cfg, self.task, self.rng)
         self.generator = build_generator(cfg, self.tokenizer)
         self.prompter = Prompter.for_task(cfg.task, self.tokenizer, self.task, model)
+        self.say_unknown_characters()
+        for key in self.filter.unbounded():
+            progress.log(f"reward {key!r} runs in this process with no time limit (it cannot "
+                         f"go to a worker process: a lambda, a function defined in __main__, "
+                         f"TRL's batch style, or filter.workers=0); a hang in it hangs the run")
         self.params = sampling_params(cfg.generate, self.prompter.stop_ids)
         self.replay = build_replay(cfg)
         self.control.bind(profile=self.profile, policy=self.trainer.model,
@@ -183,6 +189,15 @@ class Run:
         self.current_step = self.train_step = 0  # the step generating and the step training
         self.gate = None  # the asynchronous loop's WeightGate (rollwise.loop.async_), when it runs
         killpoint.instrument(self)  # crash tests only (ROLLWISE_KILL_AT)
+
+    def say_unknown_characters(self) -> None:
+        """Characters of the task the tokenizer maps to its unknown token, said once."""
+        n, chars = self.prompter.unknown_characters(self.task.train + self.task.eval)
+        if n:
+            self.progress.log(
+                f"the task's prompts and solutions hold {n} character(s) the tokenizer does not "
+                f"know ({len(chars)} distinct: {''.join(chars[:40])!r}); the model sees its "
+                f"unknown token {self.tokenizer.unk_token!r} in their place")
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics, played as the generation strategy plays its samples."""
@@ -364,8 +379,27 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
     threads = torch.get_num_threads()
     try:
         return _train(cfg, progress, resume, inputs)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        run_dir = Path(cfg.run.root) / cfg.run.name
+        raise DiskFullError(f"no space left on the device holding {run_dir} "
+                            f"({shutil.disk_usage(run_dir.parent).free / 2**20:.0f} MiB free; "
+                            f"{e.filename or 'writing'}): free some, then continue with "
+                            f"'rollwise train --resume {run_dir}'. Nothing is lost: the last "
+                            f"checkpoint and every stored rollout are intact") from e
     finally:
         torch.set_num_threads(threads)
+
+
+class DiskFullError(OSError):
+    """The disk filled during a run: said with the run's directory and the resume command."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.args[1]
 
 
 def _train(cfg: Config, progress: Progress | None, resume: bool,
@@ -404,37 +438,41 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
         steps, idle = pipeline.steps(run.current_step + 1, cfg.train.steps), pipeline.idle
     else:
         steps, idle = sync_steps(run, run.current_step + 1, cfg.train.steps, queued), nullcontext
-    with ckpt.StopOnInterrupt(progress.log) as stop:
-        for r in steps:
-            step, m = r.step, step_metrics(r)
-            if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
-                progress.phase("eval", run.tokens_note())
-                t_eval = time.time()
-                with idle():
-                    last_eval = run.evaluate()
-                m.update(last_eval)
-                m["perf/eval_seconds"] = time.time() - t_eval
-            m.update(progress.take_phase_seconds())
-            m["wall_seconds"] = time.time() - wall0
-            sinks.write(step, m)
-            progress.step(step, m)
-            if stop.requested or step == cfg.train.steps or (every and step % every == 0):
-                with idle():
-                    run.checkpoint(step, {"start_eval": start, "last_eval": last_eval,
-                                          "wall": m["wall_seconds"],
-                                          "queued": pipeline.queued() if pipeline else []})
-            if stop.requested and step < cfg.train.steps:
-                stopped = step
-                break
+    try:
+        with ckpt.StopOnInterrupt(progress.log) as stop:
+            for r in steps:
+                step, m = r.step, step_metrics(r)
+                if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
+                    progress.phase("eval", run.tokens_note())
+                    t_eval = time.time()
+                    with idle():
+                        last_eval = run.evaluate()
+                    m.update(last_eval)
+                    m["perf/eval_seconds"] = time.time() - t_eval
+                m.update(progress.take_phase_seconds())
+                m["wall_seconds"] = time.time() - wall0
+                sinks.write(step, m)
+                progress.step(step, m)
+                if stop.requested or step == cfg.train.steps or (every and step % every == 0):
+                    sinks.sync()  # the metrics up to this step outlive a power loss, as it will
+                    with idle():
+                        run.checkpoint(step, {"start_eval": start, "last_eval": last_eval,
+                                              "wall": m["wall_seconds"],
+                                              "queued": pipeline.queued() if pipeline else []})
+                if stop.requested and step < cfg.train.steps:
+                    stopped = step
+                    break
+    finally:  # every way out: the producer stopped, the metrics file closed
         if pipeline is not None:
             pipeline.close()
-    sinks.close()
-    progress.close()
+        sinks.close()
+        progress.close()
     if stopped is not None:
         run.close()
         progress.log(f"stopped after step {stopped} (checkpoint saved); continue with "
                      f"'rollwise train --resume {run.dir}'")
-        return {"stopped_at": stopped, "run_dir": str(run.dir), **run.totals}
+        return {"stopped_at": stopped, "stopped_by": stop.signum, "run_dir": str(run.dir),
+                **run.totals}
     run.close()
     models.save(run.trainer.model, run.tokenizer, run.dir / "model")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -56,6 +57,11 @@ class JsonlSink:
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         self._f.write(json.dumps({"step": step, **metrics}) + "\n")
         self._f.flush()
+
+    def sync(self) -> None:
+        """On disk for good (fsync): before a checkpoint, so a power loss cannot leave the
+        metrics short of the step a resume starts from."""
+        os.fsync(self._f.fileno())
 
     def close(self) -> None:
         self._f.close()
@@ -130,6 +136,10 @@ class Sinks:
                 self.log(f"metric sink {type(sink).__name__} failed and is dropped: "
                          f"{type(e).__name__}: {e}")
                 self.extra.remove(sink)
+
+    def sync(self) -> None:
+        """The record (metrics.jsonl) on disk for good; called before each checkpoint."""
+        self.primary.sync()
 
     def close(self) -> None:
         for sink in [self.primary, *self.extra]:

@@ -168,24 +168,32 @@ def set_trainer_state(trainer, state: dict) -> None:
 # ------------------------------------------------------------------------------- Ctrl-C
 
 class StopOnInterrupt:
-    """The first Ctrl-C (SIGINT) asks the loop to finish its step, checkpoint and stop; a
-    second one interrupts at once. A no-op outside the main thread."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what Slurm and Kubernetes send before they kill)
+    asks the loop to finish its step, checkpoint and stop; a second one interrupts at once.
+    `signum` is the signal that asked (the process then exits 128 + signum). A no-op outside
+    the main thread."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, log=print):
-        self.log, self.requested, self._previous = log, False, None
+        self.log, self.signum, self._previous = log, None, {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        self.log("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to "
-                 "stop at once, losing the step)")
+        self.signum = signum
+        self.log(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                 f"(send it again to stop at once, losing the step)")
 
     def __enter__(self) -> "StopOnInterrupt":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)

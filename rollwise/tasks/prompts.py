@@ -13,6 +13,7 @@ one) or plain text. The ids are cached on the Problem: no step of the loop token
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from rollwise.config import TaskConfig
@@ -96,6 +97,21 @@ class Prompter:
         out = self.tokenizer.apply_chat_template(self.messages(prompt),
                                                  add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def unknown_characters(self, problems) -> tuple[int, list[str]]:
+        """(occurrences, distinct characters) of the characters in the problems' prompts and
+        worked solutions that the tokenizer can only map to its unknown token (a character
+        model's vocabulary; a byte-level tokenizer knows every character)."""
+        unk = self.tokenizer.unk_token_id
+        if unk is None:
+            return 0, []
+        counts: Counter[str] = Counter()
+        for p in problems:
+            counts.update(self.render_text(p.prompt))
+            counts.update(p.solution or "")
+        unknown = [ch for ch in counts
+                   if unk in self.tokenizer(ch, add_special_tokens=False)["input_ids"]]
+        return sum(counts[ch] for ch in unknown), sorted(unknown)
 
     def render(self, problems) -> list:
         """The problems with their ids made (a no-op for those that have them)."""

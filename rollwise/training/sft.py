@@ -19,6 +19,8 @@ from rollwise.config import Config
 from rollwise.stages.generate import build_generator
 from rollwise.tasks import Task
 
+PROGRESS_EVERY_S = 10.0  # a line at least this often, whatever sft.eval_every says
+
 
 def cache_path(cfg: Config, examples: list[tuple]) -> Path:
     """Where the warm start of these settings and examples is kept: the examples are part of
@@ -64,7 +66,7 @@ def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1 - s / max(c.steps, 1)))
     model.train()
-    t0 = time.time()
+    t0 = said = time.time()
     for step in range(1, c.steps + 1):
         ids, attn, labels = collate(rng.sample(examples, min(c.batch_size, len(examples))),
                                     tokenizer.pad_token_id)
@@ -74,13 +76,15 @@ def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % c.eval_every == 0 or step == c.steps:
+        evaluating = step % c.eval_every == 0 or step == c.steps
+        if evaluating or step == 1 or time.time() - said >= PROGRESS_EVERY_S:
             msg = f"sft step {step}/{c.steps} loss {loss.item():.3f} {time.time() - t0:.0f}s"
-            if eval_fn is not None:
+            if evaluating and eval_fn is not None:
                 m = eval_fn(model)
                 msg += " " + " ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in m.items())
                 model.train()
             log(msg)
+            said = time.time()
     model.eval()
     return model
 

@@ -19,8 +19,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,6 +104,9 @@ class ShardedTrainer:
             pass
 
 
+STARTUP_S = 300.0  # the least a rank gets to start (import torch, build its shard)
+
+
 class ProcessRanks:
     """Trainer ranks as spawned processes on this machine, one pipe each."""
 
@@ -117,52 +123,92 @@ class ProcessRanks:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self._gather("start")
+        self._gather("start", time.monotonic() + max(self.timeout, STARTUP_S))
 
     def call(self, messages: list[tuple]) -> list:
-        """Each rank its message; their replies in rank order."""
-        for rank, (conn, message) in enumerate(zip(self.conns, messages)):
-            try:
-                conn.send(message)
-            except (BrokenPipeError, OSError) as e:
-                raise self._dead(rank, message[0]) from e
-        return self._gather(messages[0][0])
+        """Each rank its message; their replies in rank order, within the timeout."""
+        deadline = time.monotonic() + self.timeout
+        senders = [threading.Thread(target=self._send, args=(rank, m), daemon=True)
+                   for rank, m in enumerate(messages)]  # a rank that stopped reading blocks
+        for t in senders:  # only its own sender, never the driver
+            t.start()
+        for rank, t in enumerate(senders):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise self._silent([rank], messages[0][0], "did not take its message")
+        return self._gather(messages[0][0], deadline)
 
-    def _gather(self, cmd: str) -> list:
+    def _send(self, rank: int, message: tuple) -> None:
+        try:
+            self.conns[rank].send(message)
+        except (BrokenPipeError, OSError):
+            pass  # a dead rank: _gather names it
+
+    def _gather(self, cmd: str, deadline: float | None = None) -> list:
         """Every rank's reply to `cmd`; a rank that dies meanwhile (the others then wait in a
         collective for it) or stays silent past the timeout stops the run, named."""
-        out, deadline = [], time.time() + self.timeout
-        for rank, conn in enumerate(self.conns):
-            while not conn.poll(0.2):
-                dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), None)
-                if dead is not None:
-                    raise self._dead(dead, cmd)
-                if time.time() > deadline:
-                    raise TrainerRankError(f"trainer rank {rank} did not finish '{cmd}' within "
-                                           f"{self.timeout:.0f}s (loop.wait_timeout_s)")
-            try:
-                reply = conn.recv()
-            except (EOFError, OSError) as e:
-                raise self._dead(rank, cmd) from e
-            if reply[0] == "error":
-                raise TrainerRankError(f"trainer rank {rank} failed in '{cmd}': {reply[1]}")
-            out.append(reply[1])
-        return out
+        deadline = deadline or time.monotonic() + self.timeout
+        replies: dict[int, tuple] = {}
+        while len(replies) < len(self.conns):
+            waiting = {conn: rank for rank, conn in enumerate(self.conns) if rank not in replies}
+            for conn in wait(list(waiting), timeout=0.2):
+                try:
+                    replies[waiting[conn]] = conn.recv()
+                except (EOFError, OSError) as e:
+                    raise self._dead(waiting[conn], cmd) from e
+            dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), None)
+            if dead is not None:
+                raise self._dead(dead, cmd)
+            if time.monotonic() > deadline:
+                raise self._silent(sorted(waiting.values()), cmd, "did not finish")
+        for rank in range(len(self.conns)):
+            if replies[rank][0] == "error":
+                raise TrainerRankError(f"trainer rank {rank} failed in '{cmd}': "
+                                       f"{replies[rank][1]}")
+        return [replies[rank][1] for rank in range(len(self.conns))]
+
+    def _silent(self, ranks: list[int], cmd: str, what: str) -> TrainerRankError:
+        """The silent ranks named, a stopped one first: the others may only be waiting for it
+        in a collective."""
+        states = {r: process_state(self.procs[r].pid) for r in ranks}
+        stopped = [r for r in ranks if states[r] in ("T", "t")]
+        if stopped:
+            return TrainerRankError(
+                f"trainer rank {stopped[0]} (pid {self.procs[stopped[0]].pid}) is stopped "
+                f"(SIGSTOP or a debugger) and {what} '{cmd}' within {self.timeout:.0f}s "
+                f"(loop.wait_timeout_s); the run stops here, resume from its last checkpoint")
+        names = ", ".join(f"{r} (pid {self.procs[r].pid}, state {states[r]})" for r in ranks)
+        return TrainerRankError(f"trainer rank(s) {names} {what} '{cmd}' within "
+                                f"{self.timeout:.0f}s (loop.wait_timeout_s); a rank waiting in "
+                                f"a collective waits for another")
 
     def _dead(self, rank: int, cmd: str) -> TrainerRankError:
         self.procs[rank].join(timeout=5)
         return dead_rank(rank, cmd, f"exit code {self.procs[rank].exitcode}")
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
-            proc.join(timeout=10)
+        """Ask every rank to end, give them 10 s together, then kill what is left (a stopped
+        rank, or one waiting in a collective for it)."""
+        for rank, proc in enumerate(self.procs):
+            if proc.is_alive():
+                threading.Thread(target=self._send, args=(rank, ("close",)), daemon=True).start()
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
+                proc.join(5)
         self.conns, self.procs = [], []
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (R running, S sleeping, T stopped, ...), or '?'
+    where /proc is not there."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def dead_rank(rank: int, cmd: str, why: str) -> TrainerRankError:

@@ -2,11 +2,8 @@
 arithmetic checked by TRL's own GRPOConfig, the reward by rollwise's scorer, the learning-rate
 schedule by rollwise's Trainer), and the timing summary. A marked slow test runs TRL."""
 
-import importlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -128,11 +125,6 @@ def test_table_medians_and_not_reached():
 @pytest.mark.slow
 def test_trl_runs_matched_and_starts_from_the_same_pass1(tmp_path, monkeypatch):
     pytest.importorskip("trl")
-    # pytest puts tests/ on sys.path, where tests/vllm would pass for the vllm package
-    tests_dir = Path(__file__).resolve().parents[1]
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve()
-                                      != tests_dir])
-    importlib.invalidate_caches()
     small = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
              "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=300",
              "task.eval_size=40", "sft.steps=30", "sft.eval_every=30", "train.steps=2",

@@ -1,7 +1,7 @@
 """The engine contract (tests/engine_contract.py) on every in-CI engine: the built-in engine in
 this process, the built-in engine in a child process (sync.transport=process), and the minimal
 reference engine of tests/engine_reference.py; float32, tolerance 1e-4. vLLM runs the same
-checks in tests/vllm/test_vllm_contract.py. Small max_batch and segment so every check crosses
+checks in tests/with_vllm/test_vllm_contract.py. Small max_batch and segment so every check crosses
 continuous-batching and segment boundaries."""
 
 import engine_contract as contract

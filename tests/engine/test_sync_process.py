@@ -150,7 +150,7 @@ def test_an_engine_process_that_never_starts_is_reported_not_waited_on(tiny, mon
     real_start = engine_proc.mp.context.SpawnProcess.start
     monkeypatch.setattr(engine_proc.mp.context.SpawnProcess, "start",
                         lambda self: (spawned.append(self), real_start(self))[1])
-    with pytest.raises(EngineProcessError, match=r"waited 2s for the engine process to start"):
+    with pytest.raises(EngineProcessError, match=r"waited 2s for the engine process \(pid \d+\) to start"):
         EngineProcess(model)
     assert len(spawned) == 1 and not spawned[0].is_alive()
 

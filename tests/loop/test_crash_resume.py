@@ -54,15 +54,19 @@ def test_killed_anywhere_and_resumed_equals_the_uninterrupted_run(reference):
 
 
 @pytest.mark.integration
-def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(reference):
-    root, run = reference, reference / "interrupted"
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_finishes_the_step_saves_and_resumes_exactly(reference, sig):
+    """Ctrl-C, or the SIGTERM a scheduler sends before it kills: the step in progress
+    finishes, a checkpoint is saved, the process exits 128 + the signal, and the resume
+    equals the uninterrupted run."""
+    root, run = reference, reference / f"interrupted-{sig.name}"
 
     def interrupt_in_step_3(n):
         if n == 3:
-            os.kill(os.getpid(), signal.SIGINT)  # arrives while step 3 runs
+            os.kill(os.getpid(), sig)  # arrives while step 3 runs
 
-    argv = ["train", *SMALL, f"run.root={root}", "run.name=interrupted"]
-    assert fork_main(argv, before_step=interrupt_in_step_3) == 0
+    argv = ["train", *SMALL, f"run.root={root}", f"run.name=interrupted-{sig.name}"]
+    assert fork_main(argv, before_step=interrupt_in_step_3) == 128 + sig
     assert [c.step for c in ckpt.listing(run)] == [2, 3]  # step 3 finished and was saved
     assert [r["step"] for r in metric_rows(run)] == [0, 1, 2, 3]
     assert not (run / "summary.json").exists()
@@ -105,3 +109,27 @@ def test_crash_bench_with_fresh_interpreters_and_random_kill_times(tmp_path, cap
     assert crash_main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["identical"] and result["kill_points_tried"] == 4
+
+
+@pytest.mark.integration
+def test_a_full_disk_is_said_with_the_run_directory_and_the_resume_command(tmp_path, capsys,
+                                                                           monkeypatch):
+    """ENOSPC while a checkpoint is written: exit 1 with one line naming the run's directory,
+    the free space and the resume command (no bare traceback); the resume finishes the run."""
+    import errno
+
+    real_save = ckpt.save
+
+    def disk_full_at_step_4(run_dir, step, *args, **kwargs):
+        if step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(run_dir, step, *args, **kwargs)
+    monkeypatch.setattr(ckpt, "save", disk_full_at_step_4)
+    argv = ["train", *SMALL, f"run.root={tmp_path}", "run.name=full"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"no space left on the device holding {tmp_path / 'full'}" in err
+    assert f"rollwise train --resume {tmp_path / 'full'}" in err and "Traceback" not in err
+    monkeypatch.setattr(ckpt, "save", real_save)
+    assert main(["train", "--resume", str(tmp_path / "full")]) == 0
+    assert [r["step"] for r in metric_rows(tmp_path / "full")] == list(range(7))

@@ -263,3 +263,33 @@ def test_an_async_run_takes_its_share_of_the_cores_and_gives_them_back(tmp_path,
           Progress("plain", 2, stream=logged))
     assert seen == [2, 2] and torch.get_num_threads() == before
     assert "2 torch thread(s) each for generation and training" in logged.getvalue()
+
+
+@pytest.mark.integration
+def test_a_frozen_engine_child_stops_the_run_with_an_error_naming_it(tmp_path, capfd):
+    """SIGSTOP on the engine's child process mid-run (asynchronous loop, process transport):
+    the run stops within loop.wait_timeout_s with an error naming that process, and the
+    child is killed, not left stopped."""
+    import multiprocessing
+    import os
+    frozen = []
+
+    def freeze_the_engine(n):
+        if n == 2:
+            child, = [p for p in multiprocessing.active_children() if p.name == "rollwise-engine"]
+            os.kill(child.pid, signal.SIGSTOP)
+            frozen.append(child.pid)
+            (tmp_path / "frozen.pid").write_text(str(child.pid))
+
+    argv = ["train", *SMALL, f"run.root={tmp_path}", "run.name=frozen", "loop.mode=async",
+            "loop.max_staleness=1", "sync.transport=process", "loop.wait_timeout_s=5",
+            "run.log=plain"]
+    t0 = time.monotonic()
+    code = fork_main(argv, before_step=freeze_the_engine)
+    assert code != 0 and time.monotonic() - t0 < 120
+    pid = int((tmp_path / "frozen.pid").read_text())
+    err = capfd.readouterr().err
+    assert f"engine process (pid {pid}) to answer" in err and "stopped or stuck" in err
+    assert "leaked shared_memory" not in err
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+        os.kill(pid, 0)

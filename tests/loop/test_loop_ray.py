@@ -147,3 +147,23 @@ def test_the_loop_on_ray_with_rollout_workers_and_trainer_ranks(tmp_path):
         f"run.root={tmp_path}", "train.steps=2", "train.world_size=2", "loop.mode=async",
         "train.correction.mode=tis"]))
     assert summary["steps"] == 2 and summary["tokens_trained"] > 0
+
+
+def test_a_replacement_that_dies_while_starting_is_replaced_in_turn(tmp_path):
+    """Kill a worker, then its replacement while it starts: a third takes over, the step
+    finishes, both deaths are counted and no rollout is lost or repeated."""
+    run, cfg = _run(tmp_path, ["loop.rollout_workers=1"])
+    with run:
+        pool, spawn, killed = run.engine, run.engine._spawn, []
+
+        def spawn_then_kill_the_first():
+            key, actor = spawn()
+            if not killed:
+                ray.kill(actor)  # dies before it reports that it started
+                killed.append(key)
+            return key, actor
+        pool._spawn = spawn_then_kill_the_first
+        os.kill(next(iter(pool.pids().values())), signal.SIGKILL)
+        m = step_metrics(run.step(1))
+        assert killed and m["workers/worker_deaths"] == 2 and m["workers/live"] == 1
+        _check_store(run, cfg, 1)

@@ -165,3 +165,23 @@ def test_wandb_asked_but_missing_is_skipped_with_a_message(tmp_path, monkeypatch
     sinks = S.build_sinks(cfg_with("run.wandb=true"), tmp_path, log=logged.append)
     sinks.close()
     assert sinks.extra == [] and "pip install wandb" in logged[0]
+
+
+def test_the_metrics_reach_the_disk_before_each_checkpoint(tmp_path, tiny, monkeypatch):
+    """metrics.jsonl is fsynced before every checkpoint is written, so a power loss never
+    leaves it without a row of a step a resume would start after."""
+    from rollwise import models
+    from rollwise.loop.run import train
+    from rollwise.store import checkpoint as ckpt
+    events: list[str] = []
+    real_sync, real_save = S.JsonlSink.sync, ckpt.save
+    monkeypatch.setattr(S.JsonlSink, "sync", lambda self: (events.append("fsync"),
+                                                           real_sync(self))[1])
+    monkeypatch.setattr(ckpt, "save", lambda *a, **k: (events.append("checkpoint"),
+                                                        real_save(*a, **k))[1])
+    models.save(*tiny, tmp_path / "init")
+    train(cfg_with(f"run.init={tmp_path / 'init'}", f"run.root={tmp_path}", "run.log=quiet",
+                   "run.report=false", "train.steps=4", "run.checkpoint_every=2",
+                   "control.prompts_per_step=2", "generate.group_size=2",
+                   "generate.max_new_tokens=4", "task.eval_size=4", "filter.workers=0"))
+    assert events == ["fsync", "checkpoint", "fsync", "checkpoint"]  # steps 2 and 4

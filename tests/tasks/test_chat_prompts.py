@@ -12,7 +12,8 @@ from chat_model import LLAMA3, build_chat_model, chat_tokenizer, favour_token
 
 import rollwise
 from rollwise import models
-from rollwise.config import FilterConfig, TaskConfig, load_config
+from rollwise.cli import main
+from rollwise.config import ConfigError, FilterConfig, TaskConfig, load_config
 from rollwise.loop.run import train
 from rollwise.stages.filter import eval_scorer
 from rollwise.tasks import Problem, load_task
@@ -133,10 +134,13 @@ def test_chat_template_on_without_one_fails_before_any_work(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
-def test_cuda_on_a_machine_without_one_fails_before_any_work(tmp_path):
-    cfg = load_config(None, [f"run.root={tmp_path}", "run.device=cuda"])
-    with pytest.raises(ValueError, match="run.device = cuda.*sees no CUDA device.*run.device=cpu"):
-        train(cfg)
+def test_cuda_on_a_machine_without_one_fails_before_any_work(tmp_path, capsys):
+    """A config error (exit 2, one line naming the fix), not a traceback."""
+    with pytest.raises(ConfigError, match="run.device = cuda.*sees no CUDA device.*"
+                                          "run.device=cpu"):
+        train(load_config(None, [f"run.root={tmp_path}", "run.device=cuda"]))
+    assert main(["train", f"run.root={tmp_path}", "run.device=cuda"]) == 2
+    assert "run.device = cuda" in capsys.readouterr().err
     assert not (tmp_path / "default").exists() and not (tmp_path / ".cache").exists()
 
 
@@ -198,3 +202,19 @@ def test_short_run_on_a_reasoning_gym_task_with_the_chat_template(tmp_path, chat
         assert r["prompt_ids"] == template_ids(tok, [{"role": "system", "content": SYSTEM},
                                                      {"role": "user", "content": q}])
         assert r["prompt_text"] == prompter.text(questions[q])
+
+
+def test_characters_the_tokenizer_does_not_know_are_named_when_the_run_starts(tmp_path, tiny,
+                                                                               capsys):
+    model, tok = tiny  # the character model: no 'W', no 'é'
+    rows = [{"prompt": f"What is {i}+{i}? é", "answer": str(2 * i)} for i in range(12)]
+    cfg = short_run(tmp_path, "unk", train={"steps": 1})
+    cfg["run"] |= {"log": "plain"}
+    rollwise.train(cfg, model=model, tokenizer=tok, dataset=rows, reward="exact")
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "does not know" in line]
+    assert said == ["the task's prompts and solutions hold 24 character(s) the tokenizer does "
+                    "not know (2 distinct: 'Wé'); the model sees its unknown token '<unk>' in "
+                    "their place"]
+    prompter = Prompter.plain(tok)
+    assert prompter.unknown_characters([Problem("a", "2+2=", "4", solution="4")]) == (0, [])

@@ -6,6 +6,7 @@ the run with an error naming it."""
 import copy
 import os
 import signal
+import time
 
 import pytest
 from loop_helpers import SHARDED, SMALL
@@ -71,6 +72,26 @@ def test_a_dead_rank_stops_with_an_error_naming_it(step):
             two.update(r.trained, r.dropped)
     finally:
         two.close()
+
+
+def test_a_stopped_rank_is_named_within_the_timeout_and_killed_on_close(step):
+    """SIGSTOP on rank 1 before an update: the driver does not block on its pipe, the error
+    names rank 1 as stopped (not rank 0, which waits for it in a collective) within the
+    timeout, and close() ends both ranks."""
+    cfg, run, r = step
+    two = ShardedTrainer(copy.deepcopy(run.trainer.model), cfg.train,
+                         pad_id=run.tokenizer.pad_token_id, world_size=2, timeout_s=5)
+    procs = list(two.ranks.procs)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TrainerRankError, match=rf"trainer rank 1 \(pid {procs[1].pid}\) "
+                                                   r"is stopped"):
+            two.update(r.trained, r.dropped)
+        assert time.monotonic() - t0 < 15
+    finally:
+        two.close()
+    assert not any(p.is_alive() for p in procs)
 
 
 def test_the_loop_trains_with_two_ranks(tmp_path):

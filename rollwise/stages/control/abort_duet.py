@@ -25,6 +25,7 @@ rollwise's own minimal reading of "a pre-rollout surrogate" (docs/methods.md#due
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -93,11 +94,17 @@ class Duet(InflightController):
         if sample.finished or "duet" in sample.meta:
             return CONTINUE
         at = sample.meta.get("duet_marker_at")
-        if at is None and self._has_marker(sample):
-            at = sample.meta["duet_marker_at"] = sample.num_tokens
-        if at is not None:
-            return AFTER_MARKER if sample.num_tokens >= at + self.after else CONTINUE
-        if sample.num_tokens < self.horizon + self.grace:
+        if at is None:
+            at = self._marker_at(sample, sample.meta.get("duet_seen", 0))
+            sample.meta["duet_seen"] = sample.num_tokens
+            if at is not None:
+                sample.meta["duet_marker_at"] = at
+        limit = self.horizon + self.grace
+        if at is not None and at <= limit:  # events come every engine.segment tokens: the
+            stop = at + self.after  # limits hold at their token, by cutting what ran past
+            return CONTINUE if sample.num_tokens < stop else \
+                dataclasses.replace(AFTER_MARKER, keep=stop)
+        if sample.num_tokens < limit:
             return CONTINUE
         if random.Random(f"{self.seed}:{sample.uid}").random() < self.q:
             sample.meta["duet"], sample.weight = "kept_tail", 1.0 / self.q
@@ -106,11 +113,23 @@ class Duet(InflightController):
         self._dropped.add(sample.uid)
         return NO_MARKER
 
-    def _has_marker(self, sample) -> bool:
+    def _marker_at(self, sample, seen: int) -> int | None:
+        """The response length at which the marker first appears (None: not yet), given none
+        within the first `seen` tokens: found in the whole response, then placed to the token
+        by bisecting its new part."""
+        if not self._has_marker(sample.response_ids):
+            return None
+        lo, hi = seen, sample.num_tokens  # no marker in [:lo], a marker in [:hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._has_marker(sample.response_ids[:mid]) else (mid, hi)
+        return hi
+
+    def _has_marker(self, ids: list[int]) -> bool:
         if self.tokenizer is None or (self.task is None and self.marker is None):
             raise RuntimeError("control.inflight = duet finds answer markers in the decoded "
                                "response: bind the tokenizer and task (Control.bind)")
-        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if self.marker is not None:
             return self.marker.search(text) is not None
         return self.task.extract_answer(text) is not None

@@ -6,6 +6,7 @@ The rollout driver (rollwise.stages.generate.rollout) shows the controller every
     Decision()                                  continue
     Decision("pause", "why")                    stop this sequence, keep it for a later step
     Decision("abort", "why")                    stop it for good (it is trained as it stands)
+    Decision("abort", "why", keep=k)            the same, its response cut to k tokens
     Decision("fork", "why", n=2)                two children sharing its prefix join its group
     Decision("fork", "why", n=1, tokens=(t,))   a child whose latest token is t instead (chosen,
                                                 not sampled: Sample.chosen records it)
@@ -44,6 +45,8 @@ class Decision:
     n: int = 0  # children, for fork
     everyone: bool = False  # pause/abort: every unfinished sequence, ending the round
     tokens: tuple[int, ...] | None = None  # fork: each child's replacement for the latest token
+    keep: int | None = None  # abort: the response is cut to its first `keep` tokens, so a
+    # limit named in tokens holds at that token, not at the next event (engine.segment)
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -53,6 +56,8 @@ class Decision:
         if self.tokens is not None and (self.action != "fork" or len(self.tokens) != self.n):
             raise ValueError(f"Decision(tokens=...) names each fork child's token: give n = "
                              f"{self.n} of them, on a fork decision")
+        if self.keep is not None and (self.action != "abort" or self.keep < 0):
+            raise ValueError("Decision(keep=n) cuts an aborted response to n >= 0 tokens")
         if self.action != "continue" and not self.reason:
             raise ValueError(f"a {self.action} decision needs a reason (the ledger counts it)")
 

@@ -47,6 +47,7 @@ class Verifier(abc.ABC):
     name: str = ""  # the channel it fills
     isolated: bool = False  # True: one item at a time in a worker process, with a timeout
     in_worker: bool = False  # set in a worker process (the pool times it out, not itself)
+    user_code: bool = False  # a user's function or class: no time limit of its own
 
     @abc.abstractmethod
     def score(self, items: list[Item]) -> list[Verdict]: ...

@@ -65,6 +65,9 @@ class RewardFilter:
     def attach_engine(self, engine, tokenizer) -> None:
         self.stage.attach_engine(engine, tokenizer)
 
+    def unbounded(self) -> list[str]:
+        return self.stage.unbounded()
+
     def close(self) -> None:
         self.stage.close()
 

@@ -54,6 +54,7 @@ class CallableVerifier(Verifier):
         self.fn, self.name = fn, name or reward_name(fn)
         self.batched = _trl_style(fn)
         self.isolated = not self.batched and _sendable(fn)
+        self.user_code = True
 
     def score(self, items: list[Item]) -> list[Verdict]:
         return self._batch(items) if self.batched else [self._one(it) for it in items]

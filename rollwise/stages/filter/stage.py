@@ -109,6 +109,11 @@ class FilterStage:
         if isolated and workers > 0:
             self.pool = VerifierPool(isolated, workers, timeout_s)
 
+    def unbounded(self) -> list[str]:
+        """Channels whose user code runs in this process, where no timeout can stop it."""
+        return [c.key for c in self.channels if c.verifier.user_code
+                and (not c.verifier.isolated or self.pool is None)]
+
     def attach_engine(self, engine, tokenizer) -> None:
         """Give verifiers that generate (the judge) an engine, e.g. the policy's own."""
         for c in self.channels:

@@ -29,7 +29,7 @@ def import_object(path: str):
 class FunctionVerifier(Verifier):
     """Wraps a per-sample function; pickles as its import path (workers re-import it)."""
 
-    isolated = True
+    isolated = user_code = True
 
     def __init__(self, path: str, name: str | None = None):
         self.path, self.name = path, name or path.split(":", 1)[-1]
@@ -64,7 +64,7 @@ def user_verifier(path: str, name: str | None = None):
             raise ValueError(f"{path}: a verifier class needs score(items) -> list[Verdict] "
                              f"({e})") from None
         inst.name = name or inst.name or path.split(":", 1)[-1]
-        inst.isolated = bool(inst.isolated)
+        inst.isolated, inst.user_code = bool(inst.isolated), True
         return inst
     if not callable(obj):
         raise ValueError(f"{path} is a {type(obj).__name__}, not a function or verifier class")

@@ -199,6 +199,9 @@ class Rollout:
         k = s.num_tokens - base  # events carried the tokens up to here
         s.extend(c.token_ids[k:], c.logprobs[k:], c.versions[k:], c.entropies[k:])
         s.status = FINISH[c.finish_reason]
+        if d.keep is not None and d.keep < s.num_tokens:  # the limit, to the token: what the
+            self.ledger.decide("control", "cut_tokens", d.reason, s.num_tokens - d.keep)
+            s.cut(d.keep)  # engine ran past it is decoded, never trained
         if d.action == "abort":
             self._finished(seq_id)
         else:

@@ -15,13 +15,14 @@ from train_helpers import capture_grads, clone, make_groups
 
 from rollwise import registry
 from rollwise.config import Config, DARSConfig, SGPOConfig, TrainConfig
-from rollwise.engine import BuiltinEngine
+from rollwise.engine import BuiltinEngine, Completion, Engine, Event, SamplingParams
 from rollwise.stages.control.abort_duet import Duet, allocate_budget, ht_mean, informativeness
 from rollwise.stages.control.alloc_dars import DARS, dars_extra
 from rollwise.stages.control.alloc_sgpo import SGPO
 from rollwise.stages.control.prune_arrol import Arrol, auc, balanced_keep
 from rollwise.stages.generate import generate_round
 from rollwise.stages.generate.group import GroupGenerator, sampling_params
+from rollwise.stages.generate.rollout import Rollout
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks.prompts import Prompter
 from rollwise.training.advantages import AdvantageInputs, get_advantage
@@ -461,3 +462,59 @@ def test_q_weighted_voting_with_an_oracle_head_solves_every_prompt_any_draw_solv
     assert majority == plural / len(problems)
     with pytest.raises(ValueError, match="eval_samples"):
         vote(engine, prompter, problems, scorer, first, 3, 1, 1.0)
+
+
+class SegmentEngine(Engine):
+    """Emits each request's script in events of `segment` tokens, as the built-in engine
+    reports them; abort returns what was emitted."""
+
+    def __init__(self, script: list[int], segment: int):
+        self.script, self.segment, self.live, self.next = script, segment, {}, 0
+        self.version = 0
+
+    def add(self, request):
+        self.next += 1
+        self.live[self.next] = (request, 0)
+        return self.next
+
+    def has_unfinished(self):
+        return bool(self.live)
+
+    def step(self):
+        events = []
+        for sid, (req, at) in list(self.live.items()):
+            new = self.script[at:at + self.segment]
+            end = at + len(new) >= len(self.script)
+            self.live[sid] = (req, at + len(new))
+            events.append(Event(sid, req.id, new, [-1.0] * len(new), [1.0] * len(new),
+                                [0] * len(new), end, "length" if end else None))
+            if end:
+                del self.live[sid]
+        return events
+
+    def abort(self, seq_id):
+        req, at = self.live.pop(seq_id)
+        return Completion(req.id, self.script[:at], [-1.0] * at, [1.0] * at, [0] * at, "abort",
+                          seq_id)
+
+
+def test_duet_stops_a_rollout_at_its_token_limit_not_at_the_next_event():
+    """With events every 16 tokens, a marker at token 3 and after_marker 5, the rollout is
+    trained on exactly 3 + 5 tokens; the 8 the engine ran past are counted, never trained."""
+    tok = CharTokens()
+    text = "12=45678" + "9" * 40
+    cfg = Config.model_validate({"control": {"inflight": "duet", "duet": {
+        "marker": "=", "after_marker": 5, "horizon": 30, "grace": 0}}})
+    duet = Duet(cfg)
+    duet.bind(tokenizer=tok, task=MarkerTask())
+    duet.begin(1, 1)
+    ledger = Ledger()
+    rollout = Rollout(SegmentEngine([ord(c) for c in text], 16), duet, ledger,
+                      SamplingParams(max_new_tokens=64))
+    p = Problem("p", "q", "a", prompt_ids=[1])
+    rollout.add(Group("p", [Sample(prompt_id="p", prompt_ids=[1], group_id="1:p")], p))
+    rollout.run()
+    s, = rollout.groups[0].samples
+    assert tok.decode(s.response_ids) == "12=45678" and s.meta["duet_marker_at"] == 3
+    assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == 8
+    assert ledger.decisions["control/cut_tokens/duet_after_marker"] == 16 - 8

@@ -311,3 +311,17 @@ def test_in_process_supervision_also_cleans_up(world):
     assert bomb_r["status"] in ("error", "cpu_time", "timeout")
     assert sleep_r["status"] == "timeout"
     assert kill_r["status"] == "error" and "ermission" in kill_r["reason"]
+
+
+def test_the_status_follows_the_signal_not_the_measured_time():
+    """SIGXCPU is the CPU limit's own signal: a loaded machine that measured less CPU time
+    than the limit still reports cpu_time; SIGKILL counts as the limit only when the time was
+    used (else something else killed it)."""
+    import signal
+
+    from rollwise.stages.filter._supervisor import classify
+    job = {"cpu_s": 2, "timeout_s": 5, "max_file_kb": 64, "memory_mb": 256,
+           "max_output_kb": 256}
+    assert classify(-signal.SIGXCPU, None, "", 1.2, job, [])[0] == "cpu_time"
+    assert classify(-signal.SIGKILL, None, "", 2.0, job, [])[0] == "cpu_time"
+    assert classify(-signal.SIGKILL, None, "", 0.3, job, []) == ("killed", "killed by SIGKILL")

@@ -128,8 +128,11 @@ def test_unknown_verifier_and_bad_import_are_clear_errors(task):
         FilterConfig(reward={"exact": 1.0, "exakt": 1.0})
     with pytest.raises(ValueError, match="filter.reward = 'exakt': unknown verifier"):
         build_filter(FilterConfig.model_construct(reward="exakt"), task)  # past validation
+    with pytest.raises(ValueError, match="filter.reward = 'no_such_mod:fn': cannot import "
+                                         "no_such_mod:fn"):  # a plugin path: at config time
+        FilterConfig(reward="no_such_mod:fn")
     with pytest.raises(ValueError, match="cannot import 'no_such_mod:fn'"):
-        build_filter(FilterConfig(reward="no_such_mod:fn"), task)
+        build_filter(FilterConfig.model_construct(reward="no_such_mod:fn"), task)
 
 
 # --- majority vote ------------------------------------------------------------------------
@@ -330,3 +333,21 @@ def test_a_reward_that_hangs_on_a_held_out_problem_is_cut_off_by_the_timeout(tin
         assert m["eval/pass1"] == 0.0 and time.monotonic() - t0 < 30
     finally:
         scorer.close()
+
+
+def test_user_code_that_no_timeout_can_stop_is_named():
+    """A user's reward in a worker process is bounded by filter.timeout_s; in this process
+    (filter.workers=0, or a function a worker cannot import) nothing can stop it, and the
+    stage says which (the run logs it at its start)."""
+    from rollwise.stages.filter.python_fn import CallableVerifier
+    from rollwise.stages.filter.stage import Channel, FilterStage
+    task = load_task(TaskConfig(eval_size=40))
+    pooled = build_filter(FilterConfig(reward="filter_userfns:flaky", workers=2), task)
+    in_process = build_filter(FilterConfig(reward="filter_userfns:flaky", workers=0), task)
+    assert pooled.unbounded() == [] and in_process.unbounded() == ["flaky"]
+    lam = CallableVerifier(lambda response, problem: 1.0)
+    stage = FilterStage([Channel("reward", 1.0, lam)], lambda text: text, workers=2)
+    assert stage.unbounded() == ["reward"]  # a lambda cannot go to a worker
+    assert build_filter(FilterConfig(reward="exact"), task).unbounded() == []
+    for s in (pooled, in_process, stage):
+        s.close()

