@@ -34,3 +34,11 @@ class LengthChannels:
     def score(self, items):
         return [Verdict({"chars": float(len(it.text)), "even": float(len(it.text) % 2 == 0)},
                         "counted") for it in items]
+
+
+def hangs_sometimes(response: str, problem):
+    """Hangs on about one non-empty response in 64, else a parity reward (the fault matrix's:
+    scripts/fault_matrix.py)."""
+    if response and sum(map(ord, response)) % 64 == 0:
+        time.sleep(3600)
+    return float(len(response) % 2), "parity"

@@ -121,10 +121,3 @@ def coin_reward(response, problem):
     """Deterministic 0/1 from the text, so groups are often mixed even for a random model."""
     return float(sum(map(ord, response + problem.id)) % 2), "coin"
 
-
-def hangs_sometimes(response, problem):
-    """A reward function that hangs on about one sample in eight (the fault matrix's)."""
-    import time
-    if sum(map(ord, response)) % 8 == 0:
-        time.sleep(3600)
-    return float(len(response) % 2), "parity"

@@ -22,20 +22,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
 
+from rollwise import models
+from rollwise.agents.episode import EpisodeGenerator
 from rollwise.bench.agents import CALC, DEFAULTS, warm_start
+from rollwise.config import load_config
+from rollwise.engine import BuiltinEngine
+from rollwise.engine.sizing import prefix_cache_tokens
+from rollwise.stages.control.inflight import RunToEnd
+from rollwise.stages.generate.group import sampling_params
+from rollwise.stages.generate.rollout import Rollout
+from rollwise.stages.ledger import Ledger
+from rollwise.tasks import Problem, load_task
+from rollwise.tasks.prompts import Prompter
 
 
 def play_round(cfg, model, tokenizer, problems, stop_ids, cache: int) -> dict:
-    from rollwise.agents.episode import EpisodeGenerator
-    from rollwise.engine import BuiltinEngine
-    from rollwise.stages.control.inflight import RunToEnd
-    from rollwise.stages.generate.group import sampling_params
-    from rollwise.stages.generate.rollout import Rollout
-    from rollwise.stages.ledger import Ledger
     engine = BuiltinEngine(model, max_batch=cfg.engine.max_batch, seed=cfg.run.seed,
                     segment=cfg.engine.segment, prefix_cache_tokens=cache)
     rollout = Rollout(engine, RunToEnd(), Ledger(), sampling_params(cfg.generate, stop_ids))
@@ -65,10 +71,6 @@ class Echo:
 
 
 def calc_setup(base: list[str], problems: int, log):
-    from rollwise import models
-    from rollwise.config import load_config
-    from rollwise.tasks import load_task
-    from rollwise.tasks.prompts import Prompter
     init = warm_start(CALC, base, log)
     cfg = load_config(CALC, base + ["run.seed=0"])
     model, tokenizer = models.load_model(init)
@@ -78,11 +80,7 @@ def calc_setup(base: list[str], problems: int, log):
 
 
 def long_setup(base: list[str], problems: int, log):
-    import random
 
-    from rollwise import models
-    from rollwise.config import load_config
-    from rollwise.tasks import Problem
     cfg = load_config(None, base + [
         "run.seed=0", "model.max_positions=1024", "generate.strategy=episode",
         "generate.env=rollwise.bench.agent_kv:Echo", "generate.max_new_tokens=48",
@@ -108,7 +106,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise.engine.sizing import prefix_cache_tokens
     base = [*DEFAULTS, *args.overrides, f"run.root={args.root}"]
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     setup = calc_setup if args.scenario == "calc" else long_setup

@@ -31,6 +31,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollwise.config import load_config
+from rollwise.loop.run import train
+from rollwise.report.data import read_metrics
+from rollwise.tasks import load_task
+from rollwise.training import sft
+
 DEFAULTS = ["run.log=quiet", "run.report=false", "run.tensorboard=false"]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CALC, PACKS = str(CONFIGS / "calc.yaml"), str(CONFIGS / "packs.yaml")
@@ -41,9 +47,6 @@ ARMS = ("tool", "cod", "trace")
 
 
 def warm_start(config: str, base: list[str], log) -> str:
-    from rollwise.config import load_config
-    from rollwise.tasks import load_task
-    from rollwise.training import sft
     cfg = load_config(config, base + ["run.seed=0"])
     task = load_task(cfg.task)
     sft.warm_start(cfg, task, log=log)
@@ -52,9 +55,6 @@ def warm_start(config: str, base: list[str], log) -> str:
 
 def run(config: str, overrides: list[str]) -> list[dict]:
     """The run's metrics rows (evaluations included)."""
-    from rollwise.config import load_config
-    from rollwise.loop.run import train
-    from rollwise.report.data import read_metrics
     summary = train(load_config(config, overrides))
     return read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
 

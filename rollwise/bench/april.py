@@ -25,7 +25,13 @@ import json
 import statistics
 import sys
 
+from rollwise import models
 from rollwise.config import load_config
+from rollwise.loop.metrics import step_metrics
+from rollwise.loop.run import Run
+from rollwise.report.progress import Progress
+from rollwise.tasks import load_task
+from rollwise.training.sft import warm_start
 
 DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean=60",
             "generate.max_new_tokens=192", "sft.steps=300", "control.prompts_per_step=8",
@@ -34,9 +40,6 @@ DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean
 
 
 def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> dict:
-    from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.run import Run
-    from rollwise.report.progress import Progress
     cfg = load_config(None, base + [f"control.inflight={mode}", f"train.steps={steps}",
                                     f"run.root={root}", f"run.name=april-{mode}",
                                     f"run.init={init}"])
@@ -73,9 +76,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise import models
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start
     base = DEFAULTS + args.overrides
     cfg = load_config(None, base + [f"run.root={args.root}"])
     model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)

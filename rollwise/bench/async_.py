@@ -33,6 +33,7 @@ alone1: the most any overlap of generation and training could gain on this machi
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import statistics
 import sys
@@ -40,6 +41,11 @@ import time
 from pathlib import Path
 
 from rollwise.bench.jobs import BENCH_RUN, execute, print_keys_and_failures, warm_start_folder
+from rollwise.config import load_config
+from rollwise.loop.run import train
+from rollwise.ray_cluster import shutdown
+from rollwise.report.plots import figure
+from rollwise.report.report import figure_html, write_report
 
 
 def stale(eta: int) -> list[str]:
@@ -70,8 +76,6 @@ WORKERS = [1, 2, 4, 8, 16, 32, 64]
 
 def run_arm(arm: str, seed: int, init: str, root: str, steps: int, eval_every: int,
             target: float, extra: list[str]) -> dict:
-    from rollwise.config import load_config
-    from rollwise.loop.run import train
     name = f"{arm}-s{seed}"
     cfg = load_config(None, BENCH_RUN + [
         f"run.init={init}", f"run.root={root}", f"run.name={name}", f"run.seed={seed}",
@@ -81,7 +85,6 @@ def run_arm(arm: str, seed: int, init: str, root: str, steps: int, eval_every: i
         summary = train(cfg)
     finally:
         if arm.startswith("ray"):
-            from rollwise.ray_cluster import shutdown
             shutdown()
     rows = [json.loads(line) for line in open(Path(root) / name / "metrics.jsonl")]
     return {"arm": arm, "seed": seed, **measure(rows, target),
@@ -155,10 +158,7 @@ def simulate(model: dict, workers: list[int] = WORKERS) -> dict[str, list[float]
 
 
 def cost_model_html(model: dict, curves: dict[str, list[float]]) -> str:
-    import html
 
-    from rollwise.report.plots import figure
-    from rollwise.report.report import figure_html
     fig, (ax,) = figure(1, 1, height=3.6)
     for name, ys in curves.items():
         ax.plot(WORKERS, ys, marker="o", label=name, linestyle="-" if "full" in name else "--")
@@ -246,7 +246,6 @@ def main(argv: list[str]) -> int:
         model = fit_cost_model(results)
         curves = simulate(model)
         out["cost_model"] = {**model, "workers": WORKERS, "tokens_per_s": curves}
-        from rollwise.report.report import write_report
         dirs = [Path(a.root) / f"{r['arm']}-s{r['seed']}" for r in results if r["seed"] ==
                 a.seeds[0]]
         out["report"] = str(write_report(dirs, Path(a.root) / "async_report.html",

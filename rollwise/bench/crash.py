@@ -25,7 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+from safetensors.torch import load_file
+
+from rollwise.config import load_config
+from rollwise.report.data import read_metrics
+from rollwise.store import checkpoint as ckpt
 from rollwise.store.killpoint import ENV, PHASES
+from rollwise.store.rollouts import RolloutStore
 
 
 def is_timing(key: str) -> bool:
@@ -33,14 +39,12 @@ def is_timing(key: str) -> bool:
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    from rollwise.report.data import read_metrics
     return [{k: v for k, v in r.items() if not is_timing(k)}
             for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
 def store_rows(run_dir: Path) -> list[dict]:
     """Rollouts without their random uid and wall-clock timings, in a canonical order."""
-    from rollwise.store.rollouts import RolloutStore
     rows = RolloutStore(run_dir / "rollouts").read().to_pylist()
     for r in rows:
         for k in ("uid", "parent_uid", "timings"):
@@ -49,14 +53,11 @@ def store_rows(run_dir: Path) -> list[dict]:
 
 
 def weights(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
     return load_file(run_dir / "model" / "model.safetensors")
 
 
 def compare(ref: Path, run: Path) -> list[str]:
     """Every difference between the resumed run and the reference (empty: identical)."""
-    from rollwise.store import checkpoint as ckpt
-    from rollwise.store.rollouts import RolloutStore
     ref, run, problems = Path(ref), Path(run), []
     a, b = metric_rows(ref), metric_rows(run)
     if [r["step"] for r in a] != [r["step"] for r in b]:
@@ -107,7 +108,6 @@ def next_kill(rng: random.Random, i: int, run: Path, steps: int,
     """The i-th kill point: every third a random delay, else the next phase in turn (so each
     one is tried) at a random step after the newest checkpoint (so the run reaches it); a
     checkpoint kill picks a step that writes one (every `every` steps, and the last)."""
-    from rollwise.store import checkpoint as ckpt
     if i % 3 == 2:
         return None, rng.uniform(5.0, 60.0)
     phase = PHASES[(i - i // 3) % len(PHASES)]
@@ -128,7 +128,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise.config import load_config
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     base = [*args.overrides, f"run.root={root}", "run.log=plain", "run.report=false"]

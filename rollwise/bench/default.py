@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from rollwise.config import load_config
+from rollwise.loop.run import train
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +26,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise.loop.run import train
     rows = []
     for seed in args.seeds:
         shutil.rmtree(Path(args.root) / ".cache", ignore_errors=True)  # time the warm start too

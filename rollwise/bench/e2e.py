@@ -27,7 +27,19 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from rollwise import models
+from rollwise.bench.e2e_trl import run_trl as trl_train
 from rollwise.config import Config, dump_config, load_config
+from rollwise.engine import BuiltinEngine
+from rollwise.evaluate import evaluate
+from rollwise.loop.run import train
+from rollwise.report.report import write_report
+from rollwise.stages.filter import eval_scorer
+from rollwise.tasks import load_task
+from rollwise.tasks.prompts import Prompter
+from rollwise.training.sft import warm_start, warm_start_path
 
 DEFAULTS = ["run.eval_every=1", "run.log=quiet"]  # eval every step: exact time to target
 
@@ -66,18 +78,14 @@ def summarize(framework: str, seed: int, rows: list[dict], target: float) -> dic
 def warm_model(cfg: Config, log) -> Path:
     """The shared initial model's folder: model.path (a pretrained model), or the cached warm
     start of the tiny model, trained first when it is not cached."""
-    from rollwise import models
     if cfg.model.path:
         return Path(models.resolve_path(cfg.model.path))
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start, warm_start_path
     task = load_task(cfg.task)
     warm_start(cfg, task, log=log)
     return warm_start_path(cfg, task)
 
 
 def run_rollwise(cfg: Config, target: float) -> dict:
-    from rollwise.loop.run import train
     summary = train(cfg)
     rows = [json.loads(x) for x in open(Path(summary["run_dir"]) / "metrics.jsonl")]
     return summarize("rollwise", cfg.run.seed, rollwise_clock(rows), target)
@@ -85,16 +93,8 @@ def run_rollwise(cfg: Config, target: float) -> dict:
 
 def run_trl(cfg: Config, warm: Path, target: float, log, micro_batch: int | None = None
             ) -> dict:
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from rollwise import models
-    from rollwise.bench.e2e_trl import run_trl as trl_train
-    from rollwise.engine import BuiltinEngine
-    from rollwise.evaluate import evaluate
-    from rollwise.stages.filter import eval_scorer
-    from rollwise.tasks import load_task
-    from rollwise.tasks.prompts import Prompter
     task = load_task(cfg.task)
     tok = models.load_tokenizer(warm)
     scorer = eval_scorer(cfg.filter, task)  # what the rollwise run's evaluation uses
@@ -243,7 +243,6 @@ def main(argv: list[str]) -> int:
             log(f"trl seed {seed}: {brief(results[-1])}")
     log(f"benchmark wall time {time.time() - t0:.0f}s")
     dirs = [Path(args.root) / f"{r['framework']}-seed{r['seed']}" for r in results]
-    from rollwise.report.report import write_report
     log(f"curves overlaid: {write_report(dirs, Path(args.root) / 'report-e2e.html')}")
     if args.json:
         def finite(x):

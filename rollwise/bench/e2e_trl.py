@@ -17,6 +17,7 @@ completions: per_device_train_batch_size = micro, gradient_accumulation_steps = 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from rollwise.config import Config
+from rollwise.stages.filter import eval_scorer
 from rollwise.training.trainer import lr_factor
 from rollwise.types import Problem
 
@@ -56,7 +58,6 @@ def trl_batch_args(cfg: Config, micro_batch: int | None = None) -> dict:
 def no_checkpointing(config_cls) -> dict:
     """Activation checkpointing off (TRL turns it on; rollwise recomputes nothing): the
     field is `activation_checkpointing` from transformers 5, `gradient_checkpointing` before."""
-    import dataclasses
     names = {f.name for f in dataclasses.fields(config_cls)}
     key = "activation_checkpointing" if "activation_checkpointing" in names \
         else "gradient_checkpointing"
@@ -113,7 +114,6 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, prompter,
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollwise.stages.filter import eval_scorer
     batch = trl_batch_args(cfg, micro_batch)
     mb = cfg.train.minibatches  # optimizer steps per generation batch
     model = AutoModelForCausalLM.from_pretrained(str(warm_dir), dtype=torch.float32)

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 
+from rollwise import models
 from rollwise.config import load_config
 from rollwise.stages.generate.tree_rules import EchoTrace, echo_push
+from rollwise.tasks import load_task
+from rollwise.tasks.prompts import Prompter
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
 LEVELS = (0.05, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
@@ -60,9 +63,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from rollwise import models
-    from rollwise.tasks import load_task
-    from rollwise.tasks.prompts import Prompter
     torch.manual_seed(args.seed)
     cfg = load_config(args.config or None, args.overrides)  # "": the defaults
     task = load_task(cfg.task)

@@ -30,6 +30,11 @@ from pathlib import Path
 
 import torch
 
+from rollwise import models
+from rollwise.config import ModelConfig
+from rollwise.engine import BuiltinEngine, Request, SamplingParams
+from rollwise.engine.vllm import VLLMEngine
+
 SCENARIOS = [("equal", 256, 64), ("equal", 64, 64), ("longtail", 256, 64), ("longtail", 64, 64),
              ("rl", 512, 512)]
 
@@ -55,8 +60,6 @@ def prompts_for(kind: str, n: int, vocab: int, seed: int = 0) -> list[list[int]]
 
 
 def build_model(preset: str, model_dir: str | None):
-    from rollwise import models
-    from rollwise.config import ModelConfig
     if model_dir:
         return models.load_model(model_dir)
     if preset == "0.5b":  # Qwen2.5-0.5B's shape, random weights
@@ -70,7 +73,6 @@ def build_model(preset: str, model_dir: str | None):
 
 
 def run_builtin(model, prompts, lengths, slots) -> int:
-    from rollwise.engine import BuiltinEngine, Request, SamplingParams
     engine = BuiltinEngine(model, max_batch=slots, copy_model=False)
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=n), i)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
@@ -95,7 +97,6 @@ def run_hf(model, prompts, lengths, slots) -> int:
 
 
 def run_vllm(engine, prompts, lengths, slots) -> int:
-    from rollwise.engine import Request, SamplingParams
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=n), i)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
     return sum(len(c.token_ids) for c in engine.generate(reqs))  # max_batch = slots
@@ -128,7 +129,6 @@ def bench_local(args, backends: list[str]) -> list[dict]:
         for name in backends:
             if name == "vllm":
                 if slots not in vllm_engines:
-                    from rollwise.engine.vllm import VLLMEngine
                     vllm_engines[slots] = VLLMEngine(args.model_dir, max_batch=slots,
                                                      entropy_logprobs=1,
                                                      max_model_len=256)
@@ -148,7 +148,6 @@ def bench_local(args, backends: list[str]) -> list[dict]:
 
 def bench_vllm_subprocess(args, python: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        from rollwise import models
         model, tok = build_model(args.preset, args.model_dir)
         models.save(model, tok, Path(tmp) / "model")
         cmd = [python, "-m", "rollwise.bench.engine", "--json", "--backends", "vllm",

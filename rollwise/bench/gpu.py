@@ -22,12 +22,21 @@ import importlib.util
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 
+from rollwise import models
+
 # measure: warm-up, then backends timed in turn, medians
 from rollwise.bench.engine import measure
+from rollwise.config import TrainConfig
+from rollwise.engine import BuiltinEngine, Request, SamplingParams
+from rollwise.engine.sizing import kv_bytes_per_token
+from rollwise.engine.vllm import VLLMEngine
+from rollwise.training.trainer import Trainer
+from rollwise.types import Group, Sample
 
 # dense bf16 FLOP/s and memory bytes/s by device name (vendor data sheets)
 PEAKS = {"H100 SXM": (989e12, 3.35e12), "H100 NVL": (835e12, 3.9e12),
@@ -101,7 +110,6 @@ def gen_inputs(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_builtin(model, prompts, new_tokens: int) -> int:
-    from rollwise.engine import BuiltinEngine, Request, SamplingParams
     engine = BuiltinEngine(model, max_batch=len(prompts), copy_model=False)
     p = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_ids=())
     return sum(len(c.token_ids) for c in engine.generate([Request(x, p, i)
@@ -121,9 +129,6 @@ def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
     """vLLM on a saved copy (None when vLLM is not importable here)."""
     if importlib.util.find_spec("vllm") is None:
         return None
-    from rollwise import models
-    from rollwise.engine import Request, SamplingParams
-    from rollwise.engine.vllm import VLLMEngine
     models.save(model, models.char_tokenizer(), f"{tmp}/model")
     extra = {"gpu_memory_utilization": 0.8} if torch.cuda.is_available() else {}
     engine = VLLMEngine(f"{tmp}/model", max_batch=max_seqs, dtype="bfloat16",
@@ -137,14 +142,12 @@ def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
 
 
 def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens: int) -> float:
-    from rollwise.engine.sizing import kv_bytes_per_token
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = kv_bytes_per_token(model.config, model.dtype) * (prompt_len + new_tokens / 2)
     return batch * peaks["bandwidth"] / (weight_bytes + batch * kv)
 
 
 def bench_generation(args, model, peaks) -> list[dict]:
-    import tempfile
     rows = []
     vocab = model.config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +184,6 @@ def synced(fn, device: str):
 
 def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, response_len: int,
                      vocab: int) -> list:
-    from rollwise.types import Group, Sample
     g = torch.Generator().manual_seed(1)
     out = []
     for i in range(n_groups):
@@ -197,8 +199,6 @@ def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, response_l
 
 
 def bench_training(args, peaks) -> list[dict]:
-    from rollwise.config import TrainConfig
-    from rollwise.training.trainer import Trainer
     rows = []
     for checkpointing in (False, True):
         model = build(args.preset, args.device)

@@ -5,10 +5,21 @@ instead of losing the others."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import sys
+import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable
+
+from rollwise import models
+from rollwise.config import load_config
+from rollwise.loop.metrics import step_metrics
+from rollwise.loop.run import Run
+from rollwise.report.progress import Progress
+from rollwise.tasks import load_task
+from rollwise.training.sft import warm_start, warm_start_path
 
 
 def _guarded(fn: Callable[..., dict], job: tuple, label: dict) -> dict:
@@ -34,8 +45,6 @@ def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
         with log.open("a") as f:
             f.write(json.dumps(r) + "\n")
     if n_jobs > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
         with ProcessPoolExecutor(n_jobs, mp_context=mp.get_context("spawn")) as pool:
             for f in as_completed([pool.submit(_guarded, fn, j, label(j)) for j in jobs]):
                 keep(f.result())
@@ -48,10 +57,6 @@ def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
 def warm_start_folder(config: str | None, overrides: list[str], root: str) -> str:
     """The SFT warm start of this config (cached by its config under root/.cache), saved as a
     model folder that runs load with run.init."""
-    from rollwise import models
-    from rollwise.config import load_config
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start, warm_start_path
     cfg = load_config(config, overrides + [f"run.root={root}"])
     task = load_task(cfg.task)
     model, tok = warm_start(cfg, task,
@@ -85,12 +90,7 @@ def train_to_budget(config: str | None, overrides: list[str], tokens: float, eva
     held-out pass@1 at the start, every `eval_every` steps and at the end (not timed);
     observe(run, step_result, metrics) after each step. Returns its steps, tokens,
     seconds (generation + training) and the curve of {step, tokens, seconds, pass1}."""
-    import time
 
-    from rollwise.config import load_config
-    from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.run import Run
-    from rollwise.report.progress import Progress
     with Run(load_config(config, overrides + ["train.steps=100000"]), Progress("quiet")) as run:
         curve = [{"step": 0, "tokens": 0, "seconds": 0.0, "pass1": run.evaluate()["eval/pass1"]}]
         used, seconds, step = 0, 0.0, 0

@@ -20,6 +20,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollwise.config import load_config
+from rollwise.loop.run import train
+from rollwise.report.data import read_metrics
+from rollwise.tasks import load_task
+from rollwise.training.sft import warm_start, warm_start_path
+
 DEFAULTS = ["run.eval_every=5", "run.log=quiet", "run.report=false", "run.tensorboard=false",
             "train.correction.mode=tis"]
 
@@ -36,9 +42,6 @@ def to_target(rows: list[dict], target: float) -> dict:
 
 
 def one_run(overrides: list[str], target: float) -> dict:
-    from rollwise.config import load_config
-    from rollwise.loop.run import train
-    from rollwise.report.data import read_metrics
     cfg = load_config(None, overrides)
     summary = train(cfg)
     rows = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
@@ -48,9 +51,6 @@ def one_run(overrides: list[str], target: float) -> dict:
 
 
 def warm_start_dir(base: list[str], log) -> str:
-    from rollwise.config import load_config
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start, warm_start_path
     cfg = load_config(None, base + ["run.seed=0"])
     task = load_task(cfg.task)
     warm_start(cfg, task, log=log)

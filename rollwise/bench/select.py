@@ -29,7 +29,15 @@ import json
 import statistics
 import sys
 
+from rollwise import models
+from rollwise.bench.select_readout import report
 from rollwise.config import load_config
+from rollwise.loop.metrics import step_metrics
+from rollwise.loop.run import Run
+from rollwise.report.progress import Progress
+from rollwise.stages.control.stage import prompt_outcomes
+from rollwise.tasks import load_task
+from rollwise.training.sft import warm_start
 
 METHODS = {
     "uniform": ["control.selector=uniform"],
@@ -46,10 +54,6 @@ DEFAULTS = ["task.train_size=512", "run.log=quiet", "run.report=false", "run.eva
 
 def run_method(base: list[str], method: str, seed: int, target: float, max_steps: int,
                eval_rollouts: int, root: str, init: str) -> dict:
-    from rollwise.loop.metrics import step_metrics
-    from rollwise.loop.run import Run
-    from rollwise.report.progress import Progress
-    from rollwise.stages.control.stage import prompt_outcomes
     cfg = load_config(None, base + METHODS[method] + [
         f"run.seed={seed}", f"train.steps={max_steps}", f"run.root={root}",
         f"run.name=select-{method}-{seed}", f"run.init={init}"])
@@ -104,12 +108,8 @@ def main(argv: list[str]) -> int:
     if args.targets and not args.readout:
         p.error("--targets reads saved logs: pass them with --readout LOG ...")
     if args.readout:
-        from rollwise.bench.select_readout import report
         print(report(args.readout, args.targets or [args.target]))
         return 0
-    from rollwise import models
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start
     base = DEFAULTS + args.overrides
     init = args.init
     if init is None:

@@ -38,6 +38,17 @@ import time
 
 import torch
 
+from rollwise import models
+from rollwise.config import ModelConfig, TaskConfig, TrainConfig
+from rollwise.engine import Request, SamplingParams
+from rollwise.engine.process import EngineProcess
+from rollwise.sync import ProcessTransport, WeightSync
+from rollwise.sync.payload import pack_meta
+from rollwise.sync.peer_formats import bits, codecs
+from rollwise.tasks import load_task
+from rollwise.training.trainer import Trainer
+from rollwise.types import Group, Sample
+
 PROMPT_LEN = RESPONSE_LEN = 16
 LINK_BYTES_PER_S = 10e9 / 8
 """The modelled link of the `@10Gb/s` columns: measured push time plus bytes / 10 Gbit/s, for
@@ -68,7 +79,6 @@ class PeerFormats:
     onto the old ones in this process (nothing sent); bytes, seconds and exactness."""
 
     def __init__(self, weights):
-        from rollwise.sync.peer_formats import bits, codecs
         self.bits, self.codecs = bits, codecs()
         self.old = bits(weights)
 
@@ -91,7 +101,6 @@ def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) 
     """One sparse push (then the bit-for-bit check), one full push of the same weights, the
     same sparse payload coded as SparseRL-Sync's (index, value) pairs (encoded and measured,
     not sent: the engine already holds those weights), and the peers' formats."""
-    from rollwise.sync.payload import pack_meta
     trainer = sparse.trainer
     peer = peers.measure(trainer.weights()) if peers else {}
     meta, _ = pairs.sender.encode(trainer.weights(), trainer.version, pairs.transport.alloc,
@@ -115,7 +124,6 @@ def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) 
 
 
 def syncs(trainer, proc, coding: str):
-    from rollwise.sync import ProcessTransport, WeightSync
     transport = ProcessTransport(proc)
     sparse = WeightSync(trainer, transport, mode="sparse", coding=coding)
     full = WeightSync(trainer, transport, mode="full")
@@ -127,11 +135,6 @@ def syncs(trainer, proc, coding: str):
 
 # --- tiny model: rollwise's Trainer on rollouts from the engine process --------------------------
 def tiny_rows(args) -> list[dict]:
-    from rollwise import models
-    from rollwise.config import ModelConfig, TaskConfig, TrainConfig
-    from rollwise.engine.process import EngineProcess
-    from rollwise.tasks import load_task
-    from rollwise.training.trainer import Trainer
     if args.init:
         model0, tok = models.load_model(args.init)
     else:
@@ -161,8 +164,6 @@ def tiny_rows(args) -> list[dict]:
 
 def rollouts(engine, tok, task, step: int, exact: bool, seed: int, prompts: int = 16,
              group_size: int = 8):
-    from rollwise.engine import Request, SamplingParams
-    from rollwise.types import Group, Sample
     problems = task.train[(step - 1) * prompts:step * prompts]
     reqs = [Request(tok(p.prompt)["input_ids"],
                     SamplingParams(max_new_tokens=8, stop_ids=(tok.eos_token_id,),
@@ -226,7 +227,6 @@ def pg_step(model, opt, step: int, batch: int, vocab: int, seed: int) -> float:
 
 
 def large_rows(args) -> list[dict]:
-    from rollwise.engine.process import EngineProcess
     t0 = time.perf_counter()
     model = large_model(args.vocab, args.seed)
     to_bf16_grid(model)

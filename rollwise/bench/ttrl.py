@@ -31,7 +31,14 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollwise import models
 from rollwise.config import load_config
+from rollwise.engine import BuiltinEngine, Request, SamplingParams
+from rollwise.loop.run import train
+from rollwise.stages.filter.majority import majority_label
+from rollwise.tasks import load_task
+from rollwise.tasks.extract import normalize
+from rollwise.training.sft import warm_start, warm_start_path
 
 
 def write_heldout(task, tiers: list[str], path: Path) -> int:
@@ -45,10 +52,6 @@ def write_heldout(task, tiers: list[str], path: Path) -> int:
 def score_model(model_dir: str, rows: list[dict], votes: int, temperature: float,
                 seed: int = 123) -> dict:
     """Greedy pass@1, sampled pass@1 and maj@votes of a model folder on (prompt, answer) rows."""
-    from rollwise import models
-    from rollwise.engine import BuiltinEngine, Request, SamplingParams
-    from rollwise.stages.filter.majority import majority_label
-    from rollwise.tasks.extract import normalize
     model, tok = models.load_model(model_dir)
     engine = BuiltinEngine(model, seed=seed, copy_model=False)
 
@@ -94,9 +97,6 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     args.votes = args.votes or args.group_size
 
-    from rollwise.loop.run import train
-    from rollwise.tasks import load_task
-    from rollwise.training.sft import warm_start, warm_start_path
     base = load_config(None, [f"run.root={args.root}", "run.log=quiet"])
     task = load_task(base.task)
     init = args.init

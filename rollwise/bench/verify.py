@@ -24,6 +24,10 @@ import sys
 import time
 
 from rollwise.config import FilterConfig, TaskConfig
+from rollwise.stages.filter import build_filter
+from rollwise.stages.filter.sandbox import isolation_report, run_python
+from rollwise.tasks import Problem, load_task
+from rollwise.types import Sample, Status
 
 MATH = [("\\frac{1}{2}", ["0.5", "\\frac{2}{4}", "1/3", "\\dfrac12"]),
         ("[1,2)", ["[1, 2)", "(1,2]", "[1,2]", "[1,2)"]),
@@ -37,7 +41,6 @@ CODES = ["print(sum(map(int, input().split())))", "print(eval(input().replace(' 
 
 
 def _samples(problems, texts, group_size: int):
-    from rollwise.types import Sample, Status
     return [Sample(prompt_id=p.id, prompt_ids=[1], group_id=f"{i // group_size}",
                    response_ids=[5] * 4, status=Status.COMPLETED)
             for i, (p, _) in enumerate(zip(problems, texts))]
@@ -56,7 +59,6 @@ def arith_batch(task, n: int, rng: random.Random):
 def math_batch(n: int, rng: random.Random):
     """Half fixed LaTeX forms (units, intervals, polynomials), half fresh random fractions
     written as \\frac, decimals or wrong neighbours, so parse caches do not flatter us."""
-    from rollwise.tasks import Problem
     problems, texts = [], []
     for i in range(n):
         if i % 2:
@@ -71,7 +73,6 @@ def math_batch(n: int, rng: random.Random):
 
 
 def code_batch(n: int, rng: random.Random):
-    from rollwise.tasks import Problem
     p = Problem("sum", "add", "", data={"tests": SUM_TESTS})
     weights = [0.5, 0.3, 0.15, 0.05]  # mostly right, some wrong, a few endless loops
     return [p] * n, [f"```python\n{rng.choices(CODES, weights)[0]}\n```" for _ in range(n)]
@@ -91,9 +92,6 @@ def time_stage(stage, batch_fn, reps: int, group_size: int) -> tuple[float, int,
 
 
 def run(args) -> list[dict]:
-    from rollwise.stages.filter import build_filter
-    from rollwise.stages.filter.sandbox import run_python
-    from rollwise.tasks import load_task
     task = load_task(TaskConfig(train_size=2000, eval_size=40))
     rows = []
 
@@ -143,7 +141,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from rollwise.stages.filter.sandbox import isolation_report
     rows, iso = run(args), isolation_report()
     if args.json:
         print(json.dumps({"rows": rows, "sandbox_isolation": iso}, indent=2))

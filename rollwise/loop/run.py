@@ -438,8 +438,9 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
         steps, idle = pipeline.steps(run.current_step + 1, cfg.train.steps), pipeline.idle
     else:
         steps, idle = sync_steps(run, run.current_step + 1, cfg.train.steps, queued), nullcontext
-    try:
-        with ckpt.StopOnInterrupt(progress.log) as stop:
+    # a stop signal in the loop or the final save finishes what is in progress, then acts
+    with ckpt.StopOnInterrupt(progress.log) as stop:
+        try:
             for r in steps:
                 step, m = r.step, step_metrics(r)
                 if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
@@ -462,17 +463,26 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
                 if stop.requested and step < cfg.train.steps:
                     stopped = step
                     break
-    finally:  # every way out: the producer stopped, the metrics file closed
-        if pipeline is not None:
-            pipeline.close()
-        sinks.close()
-        progress.close()
-    if stopped is not None:
-        run.close()
-        progress.log(f"stopped after step {stopped} (checkpoint saved); continue with "
-                     f"'rollwise train --resume {run.dir}'")
-        return {"stopped_at": stopped, "stopped_by": stop.signum, "run_dir": str(run.dir),
-                **run.totals}
+        finally:  # every way out: the producer stopped, the metrics file closed
+            if pipeline is not None:
+                pipeline.close()
+            sinks.close()
+            progress.close()
+        if stopped is not None:
+            return _stopped(run, progress, stopped, stop.signum)
+        return _finished(run, cfg, progress, start, last_eval, wall0)
+
+
+def _stopped(run: Run, progress: Progress, step: int, signum: int) -> dict:
+    run.close()
+    progress.log(f"stopped after step {step} (checkpoint saved); continue with "
+                 f"'rollwise train --resume {run.dir}'")
+    return {"stopped_at": step, "stopped_by": signum, "run_dir": str(run.dir), **run.totals}
+
+
+def _finished(run: Run, cfg: Config, progress: Progress, start: dict, last_eval: dict,
+              wall0: float) -> dict:
+    """The final model, summary.json and report of a run that did all its steps."""
     run.close()
     models.save(run.trainer.model, run.tokenizer, run.dir / "model")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
@@ -482,8 +492,9 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
     if cfg.run.report:
         write_report_safely(run.dir, progress.log)
     progress.log("held-out pass@1 at end:   " + _fmt(last_eval))
-    progress.log(f"done in {summary['wall_seconds']:.0f}s: pass@1 {summary['eval_pass1_start']:.3f}"
-                 f" -> {summary['eval_pass1_end']:.3f}; summary in {run.dir / 'summary.json'}")
+    progress.log(f"done in {summary['wall_seconds']:.0f}s: pass@1 "
+                 f"{summary['eval_pass1_start']:.3f} -> {summary['eval_pass1_end']:.3f}; "
+                 f"summary in {run.dir / 'summary.json'}")
     return summary
 
 

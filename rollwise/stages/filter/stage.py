@@ -24,7 +24,6 @@ from rollwise.stages.filter.fmt import FormatVerifier, LengthVerifier
 from rollwise.stages.filter.judge import JudgeVerifier
 from rollwise.stages.filter.majority import MajorityVerifier
 from rollwise.stages.filter.math_verifier import GymVerifier, MathVerifier
-from rollwise.stages.filter.pool import VerifierPool
 from rollwise.stages.filter.sandbox import SandboxLimits
 from rollwise.stages.filter.user import user_verifier
 from rollwise.tasks.extract import make_extractor
@@ -107,6 +106,9 @@ class FilterStage:
         isolated = {c.verifier.name: c.verifier for c in channels if c.verifier.isolated}
         self.pool = None
         if isolated and workers > 0:
+            # deferred: pool.py is also each worker's main module (python -m ...pool), which
+            # the package must not have imported already
+            from rollwise.stages.filter.pool import VerifierPool
             self.pool = VerifierPool(isolated, workers, timeout_s)
 
     def unbounded(self) -> list[str]:
