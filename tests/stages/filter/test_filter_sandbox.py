@@ -119,6 +119,19 @@ def test_infinite_loop_hits_the_cpu_limit(world, guard):
     assert "CPU time limit" in r.reason or "timeout" in r.reason
 
 
+def test_the_cpu_limit_is_reported_as_such_beside_a_cpu_hog(world):
+    """Two busy processes beside the sandbox (a loaded machine): an infinite loop is still
+    cut off by its CPU limit and reported as cpu_time, never as killed."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        r = run(world, "while True:\n    pass\n", True, timeout_s=20.0)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert r.status == "cpu_time" and "CPU time limit" in r.reason, r
+
+
 @GUARDS
 def test_fork_bomb_is_capped_and_cleaned_up(world, guard):
     need(world, guard, "nproc")
