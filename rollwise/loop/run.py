@@ -220,7 +220,7 @@ class Run:
         replayed = self.replay.take(want, version, self.rng)                   # Replay
         r = StepResult(step, [], [], ledger, version, 0,
                        replay=self.replay.metrics(replayed, want, version))
-        kept, want = [], want - len(replayed)
+        kept, learned, want = [], [], want - len(replayed)  # learned: the scored parts
         for n in self.control.rounds(want, kept):                              # Control
             self.progress.phase("generate", self.tokens_note())
             groups = generate_round(self.engine, self.generator, self.control,  # Generate
@@ -231,6 +231,8 @@ class Run:
             r.scored += groups  # stored as scored: an unscored sample with its reason
             for g in [scored_part(g, ledger) for g in groups]:  # it is never trained
                 (kept if keep(self.filter, g, ledger) else r.dropped).append(g)
+                if g.samples:
+                    learned.append(g)
         r.trained = self.control.trim(kept, want, ledger) + replayed
         # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
         # carry tokens decoded in earlier steps and leave some of this step's in flight
@@ -239,7 +241,6 @@ class Run:
         r.seconds["gen"] = time.time() - t0
         self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
         # Control and Replay learn from every scored group, never from an unscored sample
-        learned = [g for g in (scored_part(g, Ledger()) for g in r.scored) if g.samples]
         self.control.observe(learned, step)
         r.control = self.control.metrics()
         self.replay.put(learned)
