@@ -2,8 +2,9 @@
 
     python3 scripts/fault_matrix.py [--root DIR] [--modes sync async ...] [--faults ...]
 
-Each run is `python -m rollwise train` on a small config (6 steps, checkpoints every 2). A
-fault comes once the run's metrics show step 2: SIGKILL to the driver (then `--resume`),
+Each run is `python -m rollwise train` on a small config (12 steps, checkpoints every 2: long
+enough that a signal at step 2 never meets the last step). A fault comes once the run's
+metrics show step 2: SIGKILL to the driver (then `--resume`),
 SIGTERM to the driver (then `--resume`), SIGSTOP to one of the run's other processes (the
 engine child, a trainer rank, a Ray worker); or from the start: a disk that fills (a 640 KiB
 tmpfs, then grown and the run resumed), a reward function that hangs on some samples.
@@ -30,8 +31,9 @@ from rollwise.report.data import read_metrics  # noqa: E402
 from rollwise.store.rollouts import RolloutStore  # noqa: E402
 from tests.loop_helpers import SMALL  # noqa: E402
 
-# the tests' small run (6 steps, checkpoints every 2, a parity reward), logged, with a short bound
-RUN = [*SMALL, "run.log=plain", "run.keep_checkpoints=3", "loop.wait_timeout_s=20"]
+# the tests' small run (checkpoints every 2, a parity reward) at 12 steps, logged, short bound
+RUN = [*SMALL, "train.steps=12", "run.log=plain", "run.keep_checkpoints=3",
+       "loop.wait_timeout_s=20"]
 ETA = 1  # loop.max_staleness of the asynchronous modes
 ASYNC = ["loop.mode=async", f"loop.max_staleness={ETA}", "train.correction.mode=tis"]
 MODES = {

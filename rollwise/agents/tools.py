@@ -20,6 +20,7 @@ from transformers.utils import get_json_schema
 
 from rollwise import registry
 from rollwise.agents.toolcalls import ToolCall
+from rollwise.waits import NoAnswer, Peer, PeerDied, answers
 
 _JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool,
                "array": list, "object": dict}
@@ -145,11 +146,13 @@ class Toolbox:
         proc.start()
         send.close()
         try:
-            if not recv.poll(self.limits.timeout_s):
-                return "timeout", None
-            return recv.recv()
-        except (EOFError, OSError) as e:  # the child died without answering
-            return "died", f"exit code {proc.exitcode}" if proc.exitcode is not None else str(e)
+            (reply,) = answers([Peer(f"tool {tool.name}", proc, recv)], "answer",
+                               self.limits.timeout_s)
+            return reply
+        except NoAnswer:
+            return "timeout", None
+        except PeerDied as e:  # the child died without answering
+            return "died", e.how
         except Exception as e:  # an answer that does not unpickle
             return "died", f"unreadable result: {type(e).__name__}"
         finally:

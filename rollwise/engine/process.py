@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-import time
 import traceback
 
 import torch
@@ -28,8 +27,7 @@ from rollwise.sync.payload import dtype_name, from_wire, pack_meta, to_dtype, to
 from rollwise.sync.receiver import Ack, EngineState, Receiver
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import GrowingBuffer, ProcessTransport, SharedArena
-
-START_TIMEOUT_S = 300.0  # building the model and the engine in the child
+from rollwise.waits import STARTUP_S, NoAnswer, Peer, PeerDied, answers, bounded, deliver
 
 
 class EngineProcess(Engine):
@@ -68,9 +66,10 @@ class EngineProcess(Engine):
         finally:
             child.close()  # else this process holds the pipe's other end: no EOF if it dies
         try:
-            self._recv(START_TIMEOUT_S, "to start (build its model); the usual cause of a hang "
-                       "here is a script without an `if __name__ == '__main__':` guard: the "
-                       "spawned child imports it and runs it again")
+            self._recv(STARTUP_S, "start (build its model)", setting="",
+                       hint="the usual cause of a hang here is a script without an `if "
+                       "__name__ == '__main__':` guard: the spawned child imports it and runs "
+                       "it again")
         except BaseException:
             if self._proc is not None:  # it did not start: nothing to close gracefully
                 self._abandon()
@@ -159,7 +158,7 @@ class EngineProcess(Engine):
             if self.wire == "socket":
                 self._send("apply_bytes", pack_meta(meta), meta.nbytes)
                 self._send_bytes(self._local.take(meta.nbytes))
-                ack = self._recv(self.timeout_s, "to apply a weight payload")
+                ack = self._recv(self.timeout_s, "apply a weight payload")
             else:
                 ack = self._call("apply", pack_meta(meta))
         except SyncError:
@@ -174,7 +173,8 @@ class EngineProcess(Engine):
         if self.wire == "socket":
             meta = self._call("export_bytes")
             arena = self._local.take(meta.nbytes)
-            self._conn.recv_bytes_into(arena.numpy())
+            self._bounded(lambda: self._conn.recv_bytes_into(arena.numpy()),
+                          "send its weights")
             return meta, arena
         self.arena(sum(s.nbytes for s in spec.values()) + 256 * len(spec) * 8)
         return self._call("export"), self._arena.tensor
@@ -182,38 +182,36 @@ class EngineProcess(Engine):
     # --- process plumbing -------------------------------------------------------------------
     def _call(self, cmd: str, *args):
         self._send(cmd, *args)
-        return self._recv(self.timeout_s, f"to answer {args[0] if cmd == 'call' else cmd!r}")
+        return self._recv(self.timeout_s, f"answer {args[0] if cmd == 'call' else cmd!r}")
 
     def _send(self, cmd: str, *args) -> None:
+        self._deliver((cmd, args), "take its message")
+
+    def _send_bytes(self, data: torch.Tensor) -> None:
+        self._deliver(data.numpy(), "take a weight payload", raw=True)
+
+    def _deliver(self, message, what: str, raw: bool = False) -> None:
         if self._proc is None:
             raise EngineProcessError(self._gone or "the engine process is closed")
         try:
-            self._conn.send((cmd, args))
-        except (BrokenPipeError, OSError) as e:
-            raise self._died() from e
+            deliver([self._peer()], [message], what, self.timeout_s, raw=raw)
+        except (NoAnswer, PeerDied) as e:
+            raise self._failed(e) from None
 
-    def _send_bytes(self, data: torch.Tensor) -> None:
+    def _bounded(self, call, what: str):
         try:
-            self._conn.send_bytes(data.numpy())
-        except (BrokenPipeError, OSError) as e:
-            raise self._died() from e
+            return bounded([call], [self._peer()], what, self.timeout_s)[0]
+        except (NoAnswer, PeerDied) as e:
+            raise self._failed(e) from None
 
-    def _recv(self, timeout_s: float | None = None, waiting: str = "to reply"):
-        """The child's reply. Waits while the child is alive (a generate call may be long),
-        at most timeout_s where given; a dead child raises at once, not at the timeout."""
-        t0 = time.monotonic()
+    def _recv(self, timeout_s: float | None = None, waiting: str = "answer",
+              setting: str = "loop.wait_timeout_s", hint: str = ""):
+        """The child's reply, within timeout_s (None: while it lives; a generate call may be
+        long); a dead child raises at once, not at the timeout."""
         try:
-            while not self._conn.poll(1.0):
-                if not self._proc.is_alive():
-                    raise self._died()
-                if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                    why = (f"waited {timeout_s:.0f}s for the engine process (pid "
-                           f"{self._proc.pid}) {waiting}; it is stopped or stuck, and was killed")
-                    self._abandon(why)  # a late answer would be read as the next call's
-                    raise EngineProcessError(why)
-            reply = self._conn.recv()
-        except (EOFError, OSError) as e:
-            raise self._died() from e
+            (reply,) = answers([self._peer()], waiting, timeout_s, setting)
+        except (NoAnswer, PeerDied) as e:
+            raise self._failed(e, hint) from None
         if reply[0] == "ok":
             return reply[1]
         _, name, message, tb = reply
@@ -221,10 +219,15 @@ class EngineProcess(Engine):
             raise BY_NAME[name](message)
         raise EngineProcessError(f"{name} in the engine process: {message}\n{tb}")
 
-    def _died(self) -> EngineProcessError:
-        self._proc.join(timeout=5)
-        return EngineProcessError(f"the engine process died (exit code {self._proc.exitcode}); "
-                                  f"a killed process (-9) usually means out of memory")
+    def _peer(self) -> Peer:
+        return Peer("the engine process", self._proc, self._conn)
+
+    def _failed(self, e: NoAnswer | PeerDied, hint: str = "") -> EngineProcessError:
+        if isinstance(e, PeerDied):
+            return EngineProcessError(f"{e}; a killed process (-9) usually means out of memory")
+        why = f"{e}; it was killed" + (f"; {hint}" if hint else "")
+        self._abandon(why)  # a late answer would be read as the next call's
+        return EngineProcessError(why)
 
     def _abandon(self, why: str = "") -> None:
         """Kill a child that stopped answering; every later call says why it is gone."""

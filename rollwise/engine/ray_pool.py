@@ -50,11 +50,11 @@ from rollwise.sync.payload import dtype_name, from_wire, pack_meta, to_dtype, to
 from rollwise.sync.receiver import Receiver
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import GrowingBuffer
+from rollwise.waits import STARTUP_S, PeerDied
 
 COLUMNS = ("token_ids", "logprobs", "entropies", "versions")
 MAX_TRIES = 8  # workers lost in a row before a call gives up
 MAX_CHAIN = 8  # sparse payloads kept for joining workers before they are folded into a full one
-STARTUP_S = 300.0  # the least a new worker gets to start (import torch, build its engine)
 
 
 class RolloutWorker:
@@ -434,28 +434,26 @@ class WorkerPool(Engine):
                            f"in a row")
 
     def _result(self, key: int, ref):
+        """A generation call's result; a worker that died or did not answer is replaced."""
         try:
-            out, tokens, version = ray.get(ref, timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError:
+            out, tokens, version = self._get(ref, key, "answer a call")
+        except TimeoutError:
             self._lost(key)
             raise _WorkerLost(key) from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+        except _WorkerLost:
             self._lost(key)
-            raise _WorkerLost(key) from None
+            raise
         self._tokens[key] = tokens
         self.tokens_generated = self._dead_tokens + sum(self._tokens.values())
         return out
 
     def _get(self, ref, key, what: str, timeout: float | None = None):
-        """ray.get within the timeout; a worker that died meanwhile is _WorkerLost (its
-        caller replaces it), one that does not answer a TimeoutError naming it."""
-        timeout = timeout or self.timeout
+        """ray.get within the timeout (rollwise.waits's rule); a worker that died meanwhile is
+        _WorkerLost (its caller replaces it), one that does not answer NoAnswer naming it."""
         try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"rollout worker {key} did not {what} within {timeout:.0f}s "
-                               f"(loop.wait_timeout_s)") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+            return ray_cluster.answers([ref], [f"rollout worker {key}"], what,
+                                       timeout or self.timeout)[0]
+        except PeerDied:
             raise _WorkerLost(key) from None
 
 

@@ -9,9 +9,9 @@ import socket
 
 import ray
 
-from rollwise.training.sharded import TrainerRankError, build_rank, dead_rank, handle
-
-STARTUP_S = 300.0  # the least a rank gets to start (import torch, build its model)
+from rollwise import ray_cluster
+from rollwise.training.sharded import TrainerRankError, build_rank, handle, rank_failed
+from rollwise.waits import STARTUP_S, NoAnswer, PeerDied
 
 
 class TrainerRank:
@@ -49,19 +49,14 @@ class RayRanks:
         return self._get(refs, messages[0][0], self.timeout)
 
     def _get(self, refs: list, cmd: str, timeout: float) -> list:
-        out = []
-        for rank, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref, timeout=timeout))
-            except ray.exceptions.GetTimeoutError:
-                raise TrainerRankError(f"trainer rank {rank} did not finish '{cmd}' within "
-                                       f"{timeout:.0f}s (loop.wait_timeout_s)") from None
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
-                raise dead_rank(rank, cmd, "its Ray actor died") from None
-            except ray.exceptions.RayTaskError as e:
-                raise TrainerRankError(f"trainer rank {rank} failed in '{cmd}': "
-                                       f"{e.cause if hasattr(e, 'cause') else e}") from None
-        return out
+        names = [f"trainer rank {rank}" for rank in range(len(refs))]
+        try:
+            return ray_cluster.answers(refs, names, f"finish '{cmd}'", timeout)
+        except (NoAnswer, PeerDied) as e:
+            raise rank_failed(e, cmd) from None
+        except ray.exceptions.RayTaskError as e:
+            raise TrainerRankError(f"a trainer rank failed in '{cmd}': "
+                                   f"{getattr(e, 'cause', e)}") from None
 
     def close(self) -> None:
         for a in self.actors:

@@ -22,8 +22,6 @@ import socket
 import threading
 import time
 import traceback
-from multiprocessing.connection import wait
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from rollwise.sync.payload import from_wire, to_wire
 from rollwise.training.trainer import Trainer
+from rollwise.waits import STARTUP_S, NoAnswer, Peer, PeerDied, answers, deliver
 
 
 class TrainerRankError(RuntimeError):
@@ -104,94 +103,58 @@ class ShardedTrainer:
             pass
 
 
-STARTUP_S = 300.0  # the least a rank gets to start (import torch, build its shard)
 
 
 class ProcessRanks:
-    """Trainer ranks as spawned processes on this machine, one pipe each."""
+    """Trainer ranks as spawned processes on this machine, one pipe each; every wait on them
+    is bounded by rollwise.waits."""
 
     def __init__(self, init: dict, world: int, timeout_s: float):
         init = {**init, "addr": "127.0.0.1", "port": _free_port()}
         self.timeout = timeout_s
         ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
+        self.peers: list[Peer] = []
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, args=(rank, child, init), daemon=True,
                                name=f"rollwise-trainer-{rank}")
             proc.start()
             child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        self._gather("start", time.monotonic() + max(self.timeout, STARTUP_S))
+            self.peers.append(Peer(f"trainer rank {rank}", proc, parent))
+        self._gather("start", max(self.timeout, STARTUP_S))
+
+    @property
+    def procs(self) -> list:
+        return [p.proc for p in self.peers]
 
     def call(self, messages: list[tuple]) -> list:
         """Each rank its message; their replies in rank order, within the timeout."""
-        deadline = time.monotonic() + self.timeout
-        senders = [threading.Thread(target=self._send, args=(rank, m), daemon=True)
-                   for rank, m in enumerate(messages)]  # a rank that stopped reading blocks
-        for t in senders:  # only its own sender, never the driver
-            t.start()
-        for rank, t in enumerate(senders):
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                raise self._silent([rank], messages[0][0], "did not take its message")
-        return self._gather(messages[0][0], deadline)
-
-    def _send(self, rank: int, message: tuple) -> None:
+        cmd = messages[0][0]
         try:
-            self.conns[rank].send(message)
-        except (BrokenPipeError, OSError):
-            pass  # a dead rank: _gather names it
+            deliver(self.peers, messages, f"take its '{cmd}' message", self.timeout)
+        except (NoAnswer, PeerDied) as e:
+            raise rank_failed(e, cmd) from None
+        return self._gather(cmd)
 
-    def _gather(self, cmd: str, deadline: float | None = None) -> list:
+    def _gather(self, cmd: str, timeout_s: float | None = None) -> list:
         """Every rank's reply to `cmd`; a rank that dies meanwhile (the others then wait in a
         collective for it) or stays silent past the timeout stops the run, named."""
-        deadline = deadline or time.monotonic() + self.timeout
-        replies: dict[int, tuple] = {}
-        while len(replies) < len(self.conns):
-            waiting = {conn: rank for rank, conn in enumerate(self.conns) if rank not in replies}
-            for conn in wait(list(waiting), timeout=0.2):
-                try:
-                    replies[waiting[conn]] = conn.recv()
-                except (EOFError, OSError) as e:
-                    raise self._dead(waiting[conn], cmd) from e
-            dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), None)
-            if dead is not None:
-                raise self._dead(dead, cmd)
-            if time.monotonic() > deadline:
-                raise self._silent(sorted(waiting.values()), cmd, "did not finish")
-        for rank in range(len(self.conns)):
-            if replies[rank][0] == "error":
-                raise TrainerRankError(f"trainer rank {rank} failed in '{cmd}': "
-                                       f"{replies[rank][1]}")
-        return [replies[rank][1] for rank in range(len(self.conns))]
-
-    def _silent(self, ranks: list[int], cmd: str, what: str) -> TrainerRankError:
-        """The silent ranks named, a stopped one first: the others may only be waiting for it
-        in a collective."""
-        states = {r: process_state(self.procs[r].pid) for r in ranks}
-        stopped = [r for r in ranks if states[r] in ("T", "t")]
-        if stopped:
-            return TrainerRankError(
-                f"trainer rank {stopped[0]} (pid {self.procs[stopped[0]].pid}) is stopped "
-                f"(SIGSTOP or a debugger) and {what} '{cmd}' within {self.timeout:.0f}s "
-                f"(loop.wait_timeout_s); the run stops here, resume from its last checkpoint")
-        names = ", ".join(f"{r} (pid {self.procs[r].pid}, state {states[r]})" for r in ranks)
-        return TrainerRankError(f"trainer rank(s) {names} {what} '{cmd}' within "
-                                f"{self.timeout:.0f}s (loop.wait_timeout_s); a rank waiting in "
-                                f"a collective waits for another")
-
-    def _dead(self, rank: int, cmd: str) -> TrainerRankError:
-        self.procs[rank].join(timeout=5)
-        return dead_rank(rank, cmd, f"exit code {self.procs[rank].exitcode}")
+        try:
+            replies = answers(self.peers, f"finish '{cmd}'", timeout_s or self.timeout)
+        except (NoAnswer, PeerDied) as e:
+            raise rank_failed(e, cmd) from None
+        for rank, reply in enumerate(replies):
+            if reply[0] == "error":
+                raise TrainerRankError(f"trainer rank {rank} failed in '{cmd}': {reply[1]}")
+        return [reply[1] for reply in replies]
 
     def close(self) -> None:
         """Ask every rank to end, give them 10 s together, then kill what is left (a stopped
         rank, or one waiting in a collective for it)."""
-        for rank, proc in enumerate(self.procs):
-            if proc.is_alive():
-                threading.Thread(target=self._send, args=(rank, ("close",)), daemon=True).start()
+        for peer in self.peers:
+            if peer.proc.is_alive():  # a send to a stopped rank blocks only its thread
+                threading.Thread(target=_send_quietly, args=(peer.conn, ("close",)),
+                                 daemon=True).start()
         deadline = time.monotonic() + 10
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -199,22 +162,22 @@ class ProcessRanks:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        self.conns, self.procs = [], []
+        self.peers = []
 
 
-def process_state(pid: int) -> str:
-    """The process's state letter from /proc (R running, S sleeping, T stopped, ...), or '?'
-    where /proc is not there."""
+def _send_quietly(conn, message) -> None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+        conn.send(message)
+    except OSError:  # the rank is gone already
+        pass
 
 
-def dead_rank(rank: int, cmd: str, why: str) -> TrainerRankError:
-    return TrainerRankError(f"trainer rank {rank} died during '{cmd}' ({why}); the run stops "
-                            f"here, resume from its last checkpoint with 'rollwise train "
-                            f"--resume RUN'")
+def rank_failed(e: NoAnswer | PeerDied, cmd: str) -> TrainerRankError:
+    """The run's error for a rank that died or did not answer `cmd` (rollwise.waits)."""
+    what = f"{e.peer} died during '{cmd}' ({e.how})" if isinstance(e, PeerDied) else str(e)
+    return TrainerRankError(f"{what}; the run stops here, resume from its last checkpoint "
+                            f"with 'rollwise train --resume RUN'")
+
 
 def build_rank(rank: int, init: dict):
     """This rank's Trainer over its shard of the model."""

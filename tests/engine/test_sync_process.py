@@ -145,12 +145,13 @@ def test_an_engine_process_that_never_starts_is_reported_not_waited_on(tiny, mon
     from rollwise.engine import process as engine_proc
     model = copy.deepcopy(tiny[0])
     model.__class__ = HangingModel  # what the child builds; the parent's weights are intact
-    monkeypatch.setattr(engine_proc, "START_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(engine_proc, "STARTUP_S", 2.0)
     spawned = []
     real_start = engine_proc.mp.context.SpawnProcess.start
     monkeypatch.setattr(engine_proc.mp.context.SpawnProcess, "start",
                         lambda self: (spawned.append(self), real_start(self))[1])
-    with pytest.raises(EngineProcessError, match=r"waited 2s for the engine process \(pid \d+\) to start"):
+    with pytest.raises(EngineProcessError, match=r"the engine process \(pid \d+, state \w\) "
+                                                 r"did not start \(build its model\) within 2s;"):
         EngineProcess(model)
     assert len(spawned) == 1 and not spawned[0].is_alive()
 
