@@ -4,6 +4,7 @@
     rollwise train --resume RUN [section.key=value ...]
     rollwise rollouts RUN [--step A:B] [--status S] [--export FILE|DIR]
     rollwise models get NAME | models list
+    rollwise serve --model DIR [--host H --port P --api-key KEY]
     rollwise sft | eval | generate | config show|defaults | bench NAME
     rollwise report RUN [RUN ...] [--out FILE]
 """
@@ -135,6 +136,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible endpoints over a model folder, for inference (rollwise.serve)."""
+    from rollwise import models
+    from rollwise.engine import BuiltinEngine
+    from rollwise.serve.app import Service, build_app
+    from rollwise.serve.driver import EngineDriver
+    from rollwise.serve.server import check_bind, serve_forever
+    from rollwise.tasks.prompts import stop_ids
+    try:
+        check_bind(args.host, args.api_key)  # before the model loads
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model, tok = models.load_model(args.model, args.dtype)
+    name = args.name or Path(args.model).name
+    service = Service(tok, name, model.config.max_position_embeddings,
+                      stop_ids(tok, model.generation_config), api_key=args.api_key,
+                      default_max_tokens=args.max_tokens)
+    service.driver = EngineDriver(BuiltinEngine(model, copy_model=False, seed=args.seed))
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        serve_forever(build_app(service), args.host, args.port, args.api_key)
+    finally:
+        service.driver.close()
+    return 0
+
+
 def cmd_models(args) -> int:
     from rollwise.models import fetch
     if args.action == "list":
@@ -213,6 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("serve", help="OpenAI-compatible endpoints (/v1/chat/completions, "
+                                     "/v1/completions, /v1/models) over a model folder")
+    p.add_argument("--model", required=True, help="model folder, e.g. runs/default/model")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="any address but the loopback needs --api-key")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="every request must send 'Authorization: Bearer KEY'")
+    p.add_argument("--name", default=None, help="the model's name in requests "
+                                                "(default: the folder's name)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="new tokens when a request gives no max_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("models", help="'models get NAME': fetch and convert a pretrained "
                                       "model with no hub; 'models list': the catalog")
     p.add_argument("action", choices=["get", "list"])

@@ -37,6 +37,7 @@ def Seam(kind: str, key: str):  # noqa: N802 (a type)
 
 EngineBackendName = Seam("engine", "engine.backend")
 GenerateStrategyName = Seam("generator", "generate.strategy")
+GenerateAgentName = Seam("agent", "generate.agent")
 ControlSelectorName = Seam("selector", "control.selector")
 ControlInflightName = Seam("inflight", "control.inflight")
 ControlGroupSizeName = Seam("group_size", "control.group_size")
@@ -266,7 +267,8 @@ class GenerateConfig(Section):
     strategy: GenerateStrategyName = "group"
     """How trajectories are proposed: group (i.i.d. samples per prompt), latr or echo (tree
     rollouts), episode (multi-turn agent episodes), trace (episodes with TRACE's turn-prefix
-    allocation), cod (Connect-the-Dots pack plays), or 'package.module:factory' called as
+    allocation), cod (Connect-the-Dots pack plays), agent (agents written against the OpenAI
+    client, generate.agent), or 'package.module:factory' called as
     factory(cfg, tokenizer) (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -287,6 +289,14 @@ class GenerateConfig(Section):
     plain (name(argument), for the character model); auto tries them in that order."""
     max_turns: int = Field(4, ge=1)
     """Model turns per agent episode."""
+    agent: GenerateAgentName | None = None
+    """generate.strategy=agent: 'package.module:function', called as function(problem,
+    client) with an OpenAI client for its episode alone; returns a reward (filter.reward=env)
+    or the final answer (a str, scored by filter.reward) (rollwise.serve.agent)."""
+    agent_timeout_s: float = Field(300.0, gt=0)
+    """An agent episode's time; past it the episode fails (stored, never trained)."""
+    agent_concurrency: int = Field(64, ge=1)
+    """Agent episodes played at once (their calls are batched by the engine)."""
     max_episode_tokens: int | None = Field(None, gt=0)
     """Tokens per agent episode, the environment's included; None: max_new_tokens x
     max_turns."""

@@ -57,7 +57,11 @@ BUILTIN: dict[str, dict[str, str]] = {
                   "echo": "rollwise.stages.generate.echo:EchoGenerator",
                   "episode": "rollwise.agents.episode:EpisodeGenerator",
                   "trace": "rollwise.agents.trace_rollout:TraceGenerator",
-                  "cod": "rollwise.agents.pack_play:CoDGenerator"},
+                  "cod": "rollwise.agents.pack_play:CoDGenerator",
+                  "agent": "rollwise.serve.agent:AgentGenerator"},
+    # function(problem, client) -> reward or final answer: an agent written against the OpenAI
+    # client (generate.strategy=agent; rollwise.serve.agent). No built-in ones.
+    "agent": {},
     # factory(cfg, problem) -> Environment (rollwise.agents.env), one per episode
     "env": {"tools": "rollwise.agents.env:ToolEnv"},
     # factory(cfg, problem) -> PackEnvironment (rollwise.agents.pack_play), one per pack play

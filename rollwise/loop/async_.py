@@ -144,8 +144,10 @@ class Pipeline:
     def _take(self, step: int) -> StepResult:
         t0 = time.time()
         with self.cv:
+            # twice the bound, as for the push: the producer's own waits (on the engine) end
+            # first, so an engine that does not answer is named, not this thread
             ok = self.cv.wait_for(lambda: step in self.ready or self.error is not None
-                                  or not self.thread.is_alive(), self.timeout)
+                                  or not self.thread.is_alive(), 2 * self.timeout)
             self.waited = time.time() - t0
             if step in self.ready:
                 return self.ready.pop(step)
@@ -153,9 +155,9 @@ class Pipeline:
                 raise RuntimeError(f"the rollout producer failed while generating step "
                                    f"{step}: {self.error}") from self.error
             if not ok:
-                raise TimeoutError(f"waited {self.timeout:.0f}s (loop.wait_timeout_s) for the "
-                                   f"rollouts of step {step} from the producer thread; it is "
-                                   f"{'inside a step' if self.busy else 'waiting'}")
+                raise TimeoutError(f"waited {2 * self.timeout:.0f}s (twice loop.wait_timeout_s) "
+                                   f"for the rollouts of step {step} from the producer thread; "
+                                   f"it is {'inside a step' if self.busy else 'waiting'}")
             raise RuntimeError(f"the rollout producer ended before step {step}")
 
     def _finish(self, step: int) -> None:
@@ -169,11 +171,13 @@ class Pipeline:
         the block runs: evaluation and checkpoints."""
         with self.cv:
             self.parks += 1
-            ok = self.cv.wait_for(lambda: not self.busy or self.error is not None, self.timeout)
+            ok = self.cv.wait_for(lambda: not self.busy or self.error is not None,
+                                  2 * self.timeout)  # (twice: as in _take)
         try:
             if not ok:
-                raise TimeoutError(f"waited {self.timeout:.0f}s (loop.wait_timeout_s) for the "
-                                   f"producer to finish its step (to evaluate or checkpoint)")
+                raise TimeoutError(f"waited {2 * self.timeout:.0f}s (twice loop.wait_timeout_s) "
+                                   f"for the producer to finish its step (to evaluate or "
+                                   f"checkpoint)")
             yield
         finally:
             with self.cv:

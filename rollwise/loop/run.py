@@ -338,13 +338,13 @@ class Run:
                 p.load_state_dict(state[k])
 
     def close(self) -> None:
-        """Release what runs beside this process: an engine or trainer ranks in child
-        processes or Ray actors, verifier workers. Every way out of a run calls it (`with
-        Run(...) as run`); a second call does nothing."""
+        """Release what runs beside this process: a generator's server, an engine or trainer
+        ranks in child processes or Ray actors, verifier workers. Every way out of a run calls
+        it (`with Run(...) as run`); a second call does nothing."""
         if self.closed:
             return
         self.closed = True
-        for part in (self.engine, self.trainer, self.filter, self.eval_scorer):
+        for part in (self.generator, self.engine, self.trainer, self.filter, self.eval_scorer):
             part.close()
 
     def __enter__(self) -> "Run":

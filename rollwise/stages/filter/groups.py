@@ -55,7 +55,9 @@ class RewardFilter:
     def score(self, groups: list[Group]) -> dict[str, float]:
         samples = [s for g in groups for s in g.samples]
         problems = [g.problem for g in groups for _ in g.samples]
-        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        # an agent's final answer (rollwise.serve.agent) is what it says, not its last turn
+        texts = [s.meta["final_answer"] if "final_answer" in s.meta else
+                 self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
                  for s in samples]
         return self.stage.score(samples, problems, texts)
 

@@ -40,6 +40,9 @@ class Generator(abc.ABC):
         the response]). Default: the task's worked solutions with cfg.sft.noise."""
         return solution_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed)
 
+    def close(self) -> None:
+        """Release what the strategy holds beside the run (an agent strategy's server)."""
+
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the strategy between steps (none by default)."""
         return {}

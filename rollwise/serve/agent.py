@@ -1,0 +1,231 @@
+"""Agents written against the OpenAI client as a Generator (generate.strategy=agent,
+generate.agent=package.module:function).
+
+    def solve(problem, client):           # client: openai.OpenAI for this episode alone
+        r = client.chat.completions.create(model=client.model, messages=[...], tools=[...])
+        ...
+        return 1.0        # a reward (filter.reward=env), or a str: the final answer, scored
+                          # by the run's filter.reward like any response
+
+Each round serves the run's engine on 127.0.0.1 (rollwise.serve.app) and plays
+`group_size` episodes per prompt, each in its own thread with its own base URL
+(/episodes/<token>/v1), at most generate.agent_concurrency at once; the engine batches the
+calls of every episode. An episode's calls become samples by rollwise.serve.chat's rule:
+consecutive calls that extend the conversation exactly are one sample, with the agent's and
+tools' tokens masked out; a call that rewrites history starts a new one (counted as
+decisions/agent/split/rewrite). Inside a training round the calls sample as the policy does
+(generate.temperature and top_p, whatever the client asks); max_tokens, stop and n are the
+client's. An agent that raises, returns nothing usable or runs past generate.agent_timeout_s
+fails its episode: its samples are stored with the reason and never trained, and its later
+calls are refused (404). Every token keeps the version that sampled it: in the asynchronous
+loop the engine is stepped under the loop's weight gate, as any rollout is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from rollwise import registry
+from rollwise.engine import SamplingParams
+from rollwise.serve.app import Policy, Service, build_app
+from rollwise.serve.chat import Piece
+from rollwise.serve.driver import EngineDriver
+from rollwise.serve.server import BackgroundServer
+from rollwise.stages.generate.base import Generator
+from rollwise.stages.generate.group import new_sample
+from rollwise.stages.ledger import Ledger
+from rollwise.types import Group, Problem, Sample, Status
+
+MODEL_NAME = "policy"  # what the agent's calls name as the model (also client.model)
+
+
+@dataclass
+class AgentEpisode:
+    problem: Problem
+    token: str
+    thread: threading.Thread | None = None
+    started: float = 0.0
+    result: object = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class AgentGenerator(Generator):
+    runs_to_end = True  # an episode's calls are served within its round
+
+    def __init__(self, cfg, tokenizer):
+        g = cfg.generate
+        if not g.agent:
+            raise ValueError("generate.strategy=agent needs the agent: set generate.agent="
+                             "package.module:function, called as function(problem, client)")
+        self.fn = registry.resolve("agent", g.agent, "generate.agent")
+        self.tokenizer, self.group_size = tokenizer, g.group_size
+        self.timeout_s, self.concurrency = g.agent_timeout_s, g.agent_concurrency
+        self.max_context, self.stop_ids = None, None
+        self.service: Service | None = None
+        self.server: BackgroundServer | None = None
+        self.cfg = cfg
+
+    # --- the Generator interface --------------------------------------------------------------
+    def generate(self, rollout, problems: list[Problem], step: int) -> None:
+        policy = Policy(rollout.params.temperature, rollout.params.top_p)
+        episodes = self.play(rollout.engine, rollout.params, problems, policy, rollout.gate,
+                             rollout.ledger)
+        by_problem: dict[str, Group] = {}
+        for ep, pieces in episodes:
+            g = by_problem.setdefault(ep.problem.id, Group(ep.problem.id, [], ep.problem))
+            g.samples += self._samples(ep, pieces, step, rollout.ledger)
+        for g in by_problem.values():
+            rollout.add(g)
+
+    def evaluate(self, engine, prompter, problems, cfg, scorer) -> dict[str, float]:
+        """pass@1 of one episode per held-out problem, sampled as run.eval_temperature says
+        (greedy by default): a reward counts when it is 1 or more, a final answer as
+        `scorer` scores it."""
+        policy = Policy(cfg.run.eval_temperature, 1.0)
+        params = SamplingParams(temperature=cfg.run.eval_temperature,
+                                max_new_tokens=cfg.generate.max_new_tokens,
+                                stop_ids=prompter.stop_ids)
+        ledger = Ledger()
+        engine.reset_prefix_cache()  # its numbers never depend on an earlier round's K/V
+        wins = []
+        for ep, _ in self.play(engine, params, prompter.render(list(problems)), policy, None,
+                               ledger, per_problem=1):
+            wins.append(self._solved(ep, scorer))
+        return {"eval/pass1": sum(wins) / max(len(wins), 1)}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    # --- episodes -----------------------------------------------------------------------------
+    def play(self, engine, params, problems, policy: Policy, gate, ledger,
+             per_problem: int | None = None) -> list[tuple[AgentEpisode, list[Piece]]]:
+        """Every episode of the round to its end (or its timeout): (episode, its pieces)."""
+        service = self._serve(params)
+        service.driver = EngineDriver(engine, gate)
+        todo = [AgentEpisode(p, service.open_episode(policy)) for p in problems
+                for _ in range(per_problem or p.group_size or self.group_size)]
+        ledger.decide("agent", "episode", "start", len(todo))
+        try:
+            self._run_all(todo, ledger)
+        finally:
+            service.driver.close()
+            service.driver = None
+        out = []
+        for ep in todo:
+            calls = service.close_episode(ep.token)
+            ledger.decide("agent", "call", "model", calls.calls)
+            if calls.transcript.splits:
+                ledger.decide("agent", "split", "rewrite", calls.transcript.splits)
+            out.append((ep, calls.transcript.pieces))
+        return out
+
+    def _run_all(self, todo: list[AgentEpisode], ledger) -> None:
+        """At most `concurrency` episodes at once; one past its time is abandoned (its thread
+        cannot be stopped, but its episode is closed: its calls are refused)."""
+        waiting, running = list(todo), []
+        while waiting or running:
+            while waiting and len(running) < self.concurrency:
+                ep = waiting.pop(0)
+                ep.started = time.monotonic()
+                ep.thread = threading.Thread(target=self._episode, args=(ep,), daemon=True,
+                                             name="rollwise-agent")
+                ep.thread.start()
+                running.append(ep)
+            time.sleep(0.01)
+            for ep in list(running):
+                if ep.done.is_set():
+                    running.remove(ep)
+                    ledger.decide("agent", "end", "error" if ep.error else "returned")
+                elif time.monotonic() - ep.started > self.timeout_s:
+                    ep.error = (f"the agent did not return within {self.timeout_s:g}s "
+                                f"(generate.agent_timeout_s)")
+                    self.service.episodes[ep.token].open = False  # its calls are refused
+                    running.remove(ep)
+                    ledger.decide("agent", "end", "timeout")
+
+    def _episode(self, ep: AgentEpisode) -> None:
+        import openai
+        try:
+            client = openai.OpenAI(base_url=f"{self.server.url}/episodes/{ep.token}/v1",
+                                   api_key="rollwise", max_retries=0,
+                                   timeout=self.timeout_s)
+            client.model = MODEL_NAME
+            ep.result = self.fn(ep.problem, client)
+            if isinstance(ep.result, bool) or not isinstance(ep.result, (int, float, str)):
+                ep.error = (f"the agent returned {type(ep.result).__name__}; return a reward "
+                            f"(a number) or a final answer (a str)")
+        except Exception as e:
+            ep.error = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
+        finally:
+            ep.done.set()
+
+    def _serve(self, params) -> Service:
+        if self.service is None:
+            cfg = self.cfg
+            self.service = Service(self.tokenizer, MODEL_NAME, _context(cfg), params.stop_ids,
+                                   request_timeout_s=cfg.loop.wait_timeout_s,
+                                   default_max_tokens=cfg.generate.max_new_tokens)
+            self.server = BackgroundServer(build_app(self.service))
+        return self.service
+
+    # --- samples ------------------------------------------------------------------------------
+    def _samples(self, ep: AgentEpisode, pieces: list[Piece], step: int, ledger
+                 ) -> list[Sample]:
+        if not pieces:
+            s = new_sample(ep.problem, ep.problem.prompt_ids, step)
+            s.status = Status.FAILED
+            s.meta["env_error"] = ep.error or "the agent made no call to the model"
+            return [s]
+        out = []
+        for i, piece in enumerate(pieces):
+            s = new_sample(ep.problem, piece.prompt_ids, step)
+            _fill(s, piece)
+            s.status = Status.COMPLETED
+            s.meta.update(agent_calls=piece.calls, turns=piece.calls)
+            if i < len(pieces) - 1:
+                s.meta["split"] = True  # an earlier piece: the episode went on in another
+            if ep.error:
+                s.status = Status.FAILED
+                s.meta["env_error"] = ep.error
+            elif isinstance(ep.result, str):
+                s.meta["final_answer"] = ep.result
+            else:
+                s.meta["env_reward"] = float(ep.result)
+            out.append(s)
+        return out
+
+    def _solved(self, ep: AgentEpisode, scorer) -> bool:
+        if ep.error:
+            return False
+        if isinstance(ep.result, str):
+            try:
+                return scorer(ep.result, ep.problem)[0] >= 1.0
+            except Exception:
+                return False
+        return float(ep.result) >= 1.0
+
+
+def _fill(s: Sample, piece: Piece) -> None:
+    """The piece's response tokens into the sample, in runs of the same mask."""
+    i, n = 0, len(piece.response_ids)
+    while i < n:
+        j = i
+        while j < n and piece.mask[j] == piece.mask[i]:
+            j += 1
+        s.extend(piece.response_ids[i:j], piece.logprobs[i:j], piece.versions[i:j],
+                 piece.entropies[i:j], trainable=piece.mask[i])
+        i = j
+
+
+def _context(cfg) -> int:
+    """The model's context length, from its folder's config or the built-in model's."""
+    if cfg.model.path is None:
+        return cfg.model.max_positions
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings

@@ -1,0 +1,445 @@
+"""The OpenAI-compatible endpoints over an engine: /v1/chat/completions, /v1/completions and
+/v1/models, streaming (server-sent events) and not, under /v1 and under each agent episode's
+own prefix /episodes/<token>/v1 (rollwise.serve.episodes records what those calls produce).
+
+Requests of every client and episode are batched by one engine driver (rollwise.serve.driver).
+Tool calls are parsed from the model's turn in the format its chat template teaches
+(rollwise.agents.toolcalls) and returned in OpenAI's format; the model is never forced to call
+a tool ('required' and a named function only filter what it wrote). Bad requests get
+OpenAI-style JSON errors: 400 (malformed, a context longer than the model's), 401 (a missing
+or wrong API key, where one is set), 404 (an unknown model or episode), 503 (nothing serving).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from rollwise.engine import SamplingParams
+from rollwise.serve.chat import Continued, Renderer, Transcript, Turn
+from rollwise.serve.driver import EngineStopped
+from rollwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, usage
+
+
+@dataclass
+class Policy:
+    """Sampling a training round imposes on its episodes' calls (the policy being trained):
+    temperature and top_p replace the client's; None leaves the client's."""
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@dataclass
+class EpisodeCalls:
+    """An agent episode's calls, as the server sees them."""
+    transcript: Transcript
+    policy: Policy = field(default_factory=Policy)
+    open: bool = True
+    calls: int = 0
+
+
+class Service:
+    """What the endpoints serve: the engine (through a driver, which may come and go between
+    training rounds), the tokenizer's rendering, limits, the API key and the open episodes."""
+
+    def __init__(self, tokenizer, model_name: str, max_context: int, stop_ids,
+                 api_key: str | None = None, request_timeout_s: float = 600.0,
+                 default_max_tokens: int = 256):
+        self.renderer = Renderer(tokenizer)
+        self.tokenizer, self.model_name, self.max_context = tokenizer, model_name, max_context
+        self.stop_ids = tuple(stop_ids)
+        self.api_key, self.timeout_s = api_key, request_timeout_s
+        self.default_max_tokens = default_max_tokens
+        self.renders_tool_calls = "tool_calls" in (getattr(tokenizer, "chat_template", None)
+                                                   or "")
+        self.driver = None
+        self.episodes: dict[str, EpisodeCalls] = {}
+        self.requests = 0
+
+    def open_episode(self, policy: Policy | None = None) -> str:
+        token = secrets.token_urlsafe(16)
+        self.episodes[token] = EpisodeCalls(Transcript(self.renderer), policy or Policy())
+        return token
+
+    def close_episode(self, token: str) -> EpisodeCalls:
+        ep = self.episodes.pop(token)
+        ep.open = False
+        return ep
+
+
+def build_app(service: Service) -> FastAPI:
+    app = FastAPI(title="rollwise", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, e: Exception):  # a bug here: said as JSON, not HTML
+        return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", "internal_error",
+                                     kind="server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def _key(request: Request, call_next):
+        if service.api_key is not None and not secrets.compare_digest(
+                request.headers.get("authorization", ""), f"Bearer {service.api_key}"):
+            return JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer "
+                                         "KEY)", "invalid_api_key",
+                                         kind="authentication_error").body(), status_code=401)
+        return await call_next(request)
+
+    for prefix in ("/v1", "/episodes/{episode}/v1"):
+        app.get(prefix + "/models")(_models(service))
+        app.post(prefix + "/chat/completions")(_chat(service))
+        app.post(prefix + "/completions")(_completions(service))
+    return app
+
+
+def _models(service: Service):
+    async def models(episode: str | None = None):
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                            "created": 0, "owned_by": "rollwise",
+                                            "max_model_len": service.max_context}]}
+    return models
+
+
+async def _body(request: Request, model):
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body is not JSON", "invalid_json") from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", "invalid_request", where) from None
+
+
+def _checks(service: Service, req, episode: str | None) -> EpisodeCalls | None:
+    if service.driver is None:
+        raise ApiError(503, "the engine is not serving now", "not_serving",
+                       kind="server_error")
+    if req.model != service.model_name:
+        raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
+                       f"{service.model_name!r}", "model_not_found", "model")
+    if episode is None:
+        return None
+    ep = service.episodes.get(episode)
+    if ep is None or not ep.open:
+        raise ApiError(404, "this episode is over (it ended, failed or ran out of time)",
+                       "episode_closed")
+    return ep
+
+
+def _budget(service: Service, prompt_len: int, asked: int | None) -> int:
+    room = service.max_context - prompt_len
+    if asked is not None and asked > room or room < 1:
+        raise ApiError(400, f"this model's context is {service.max_context} tokens; the prompt "
+                       f"has {prompt_len} and max_tokens asks {asked or 1} more",
+                       "context_length_exceeded", "messages")
+    return asked or min(room, service.default_max_tokens)
+
+
+def _params(req, max_new: int, top_logprobs: int, policy: Policy | None) -> list[SamplingParams]:
+    temperature = policy.temperature if policy and policy.temperature is not None \
+        else req.temperature
+    top_p = policy.top_p if policy and policy.top_p is not None else req.top_p
+    return [SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
+                           stop_ids=(), top_logprobs=top_logprobs,
+                           seed=None if req.seed is None else req.seed + i,
+                           event_every=1 if req.stop else 0) for i in range(req.n)]
+
+
+@dataclass
+class Choice:
+    """One choice's tokens as its events come, and its text so far."""
+    index: int
+    stops: list[str]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    top: list = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of text already streamed
+    finish: str | None = None
+
+
+async def _run(service: Service, prompt_ids: list[int], params: list[SamplingParams],
+               stops: list[str], on_delta=None) -> list[Choice]:
+    """The engine's answers to one request (a choice per params), each choice's text cut at
+    its first stop string; on_delta(choice) after each event with new text."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    stop_ids = service.stop_ids
+    choices = [Choice(i, stops) for i in range(len(params))]
+    streams = []
+    try:
+        for i, p in enumerate(params):
+            p = SamplingParams(**{**p.__dict__, "stop_ids": stop_ids})
+            streams.append(service.driver.submit(
+                prompt_ids, p, tag=i,
+                on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))))
+    except EngineStopped as e:
+        raise ApiError(503, str(e), "not_serving", kind="server_error") from None
+    pending = len(streams)
+    try:
+        while pending:
+            try:
+                i, ev = await asyncio.wait_for(events.get(), service.timeout_s)
+            except TimeoutError:
+                raise ApiError(504, f"the engine sent nothing for {service.timeout_s:.0f}s",
+                               "timeout", kind="server_error") from None
+            if isinstance(ev, BaseException):
+                raise ApiError(503, str(ev), "not_serving", kind="server_error")
+            c = choices[i]
+            if c.finish is None:
+                _take(service, c, ev, streams[i])
+                if on_delta is not None:
+                    await on_delta(c)
+            pending -= ev.finished
+    finally:
+        for s in streams:
+            s.cancel()  # a client that went away (or a stop string met) frees its sequences
+    return choices
+
+
+def _take(service: Service, c: Choice, ev, stream) -> None:
+    c.ids += ev.token_ids
+    c.logprobs += ev.logprobs
+    c.versions += ev.versions
+    c.entropies += ev.entropies
+    c.top += ev.top_logprobs or [[] for _ in ev.token_ids]
+    ids = c.ids[:-1] if ev.finished and c.ids and c.ids[-1] in service.stop_ids else c.ids
+    text = service.tokenizer.decode(ids, skip_special_tokens=True)
+    hit = min((text.find(s) for s in c.stops if s in text), default=-1)
+    if hit >= 0:
+        c.text, c.finish = text[:hit], "stop"
+        stream.cancel()
+        return
+    c.text = text
+    if ev.finished:
+        c.finish = "stop" if ev.finish_reason == "stop" else "length"
+
+
+def _chat(service: Service):
+    async def chat(request: Request, episode: str | None = None):
+        req = await _body(request, ChatRequest)
+        ep = _checks(service, req, episode)
+        messages = [m.plain() for m in req.messages]
+        tools = None if req.tool_choice == "none" else req.tools
+        at = ep.transcript.prompt(messages, tools) if ep else \
+            Continued(service.renderer.prompt_ids(messages, tools))
+        max_new = _budget(service, len(at.prompt_ids),
+                          req.max_completion_tokens or req.max_tokens)
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        params = _params(req, max_new, k, ep.policy if ep else None)
+        rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        service.requests += 1
+        if ep is not None:
+            ep.calls += 1
+        head = {"id": rid, "created": created, "model": service.model_name}
+
+        def message(c: Choice) -> tuple[dict, str]:
+            return _assistant(service, c, req, tools)
+
+        def finished(choices: list[Choice]) -> None:
+            if ep is not None and ep.open:
+                for c in choices:
+                    msg, _ = message(c)
+                    turn = Turn(messages, tools, msg, at.prompt_ids, c.ids)
+                    ep.transcript.record(at, turn, c.logprobs, c.versions, c.entropies)
+
+        if not req.stream:
+            choices = await _run(service, at.prompt_ids, params, req.stop)
+            finished(choices)
+            out = []
+            for c in choices:
+                msg, reason = message(c)
+                out.append({"index": c.index, "message": msg, "finish_reason": reason,
+                            "logprobs": _chat_logprobs(service, c) if req.logprobs else None})
+            return {**head, "object": "chat.completion", "choices": out,
+                    "usage": usage(len(at.prompt_ids), sum(len(c.ids) for c in choices))}
+        return StreamingResponse(_chat_stream(service, req, at, params, head, tools, message,
+                                              finished), media_type="text/event-stream")
+    return chat
+
+
+def _assistant(service: Service, c: Choice, req: ChatRequest, tools) -> tuple[dict, str]:
+    """The assistant message of a choice and its finish reason. Where the template renders
+    tool calls itself, the content is the text around them; else it is the text as written,
+    so the conversation sent back renders as the model wrote it."""
+    calls = []
+    if tools:
+        _, parsed = service.renderer.answer(c.ids, service.stop_ids)
+        wanted = (req.tool_choice or {}).get("function", {}).get("name") \
+            if isinstance(req.tool_choice, dict) else None
+        calls = [t for t in parsed if t.error is None and t.name and
+                 (wanted is None or t.name == wanted)]
+    content = c.text
+    if calls and service.renders_tool_calls:
+        content = _without_calls(c.text).strip() or None
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                              "function": {"name": t.name, "arguments": json.dumps(
+                                  _arguments(t, tools))}} for t in calls]
+    reason = "tool_calls" if calls and c.finish == "stop" else c.finish or "length"
+    return msg, reason
+
+
+def _without_calls(text: str) -> str:
+    return re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL)
+
+
+def _arguments(call, tools) -> dict:
+    """A call's arguments; the plain format's one positional argument goes to the tool's first
+    parameter, as its schema names it."""
+    if call.positional is None:
+        return call.arguments if isinstance(call.arguments, dict) else {"input": call.arguments}
+    for t in tools or []:
+        f = t["function"]
+        if f["name"] == call.name:
+            names = list((f.get("parameters") or {}).get("properties", {}))
+            return {names[0] if names else "input": call.positional}
+    return {"input": call.positional}
+
+
+def _chat_logprobs(service: Service, c: Choice) -> dict:
+    tok = service.tokenizer
+    n = len(c.ids) - (1 if c.ids and c.ids[-1] in service.stop_ids and c.finish == "stop"
+                      else 0)
+
+    def entry(t: int, lp: float) -> dict:
+        s = tok.decode([t])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                        for t, lp, top in zip(c.ids[:n], c.logprobs[:n], c.top[:n])]}
+
+
+async def _chat_stream(service, req, at, params, head, tools, message, finished):
+    """Server-sent chunks: the role, then text as it comes (all at the end where tools may be
+    called, since the text around a call is known only then), then the finish."""
+    chunk = {**head, "object": "chat.completion.chunk"}
+
+    async def produce(put):
+        for i in range(len(params)):
+            await put({**chunk, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                    "content": ""},
+                                             "finish_reason": None}]})
+
+        async def on_delta(c: Choice) -> None:
+            if not tools and len(c.text) > c.sent and not c.text.endswith("\ufffd"):
+                await put({**chunk, "choices": [{"index": c.index, "delta": {
+                    "content": c.text[c.sent:]}, "finish_reason": None}]})
+                c.sent = len(c.text)
+
+        choices = await _run(service, at.prompt_ids, params, req.stop, on_delta)
+        finished(choices)
+        for c in choices:
+            msg, reason = message(c)
+            delta = {}
+            if tools and msg["content"]:
+                delta["content"] = msg["content"]
+            elif not tools and len(c.text) > c.sent:
+                delta["content"] = c.text[c.sent:]
+            if "tool_calls" in msg:
+                delta["tool_calls"] = [{**t, "index": j} for j, t in
+                                       enumerate(msg["tool_calls"])]
+            await put({**chunk, "choices": [{
+                "index": c.index, "delta": delta, "finish_reason": reason,
+                "logprobs": _chat_logprobs(service, c) if req.logprobs else None}]})
+    async for item in _events(produce):
+        yield item
+
+
+async def _events(produce):
+    """Server-sent events from `produce(put)`, sent as they are put; an ApiError on the way
+    becomes an error event; the stream ends with [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run():
+        try:
+            await produce(queue.put)
+        except ApiError as e:
+            await queue.put(e.body())
+        finally:
+            await queue.put(None)
+
+    task = asyncio.create_task(run())
+    try:
+        while (item := await queue.get()) is not None:
+            yield f"data: {json.dumps(item)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        task.cancel()  # the client went away: its requests are cancelled with the task
+
+
+def _completions(service: Service):
+    async def completions(request: Request, episode: str | None = None):
+        req = await _body(request, CompletionRequest)
+        _checks(service, req, episode)
+        prompts = [p if isinstance(p, list) else service.tokenizer.encode(p)
+                   for p in req.prompts()]
+        for ids in prompts:
+            if not ids or any(not 0 <= t < len(service.tokenizer) for t in ids):
+                raise ApiError(400, "a prompt is empty or holds token ids outside the "
+                               "vocabulary", "invalid_prompt", "prompt")
+        service.requests += 1
+        head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time()),
+                "model": service.model_name, "object": "text_completion"}
+        budgets = [_budget(service, len(ids), req.max_tokens) for ids in prompts]
+        if req.stream:
+            return StreamingResponse(_completion_stream(service, req, prompts, budgets, head),
+                                     media_type="text/event-stream")
+        out, used = [], 0
+        for j, ids in enumerate(prompts):
+            params = _params(req, budgets[j], req.logprobs or 0, None)
+            for c in await _run(service, ids, params, req.stop):
+                used += len(c.ids)
+                out.append(_text_choice(service, req, ids, c, j * req.n + c.index))
+        return {**head, "choices": out,
+                "usage": usage(sum(map(len, prompts)) * req.n, used)}
+    return completions
+
+
+def _text_choice(service, req, ids, c: Choice, index: int) -> dict:
+    text = (service.tokenizer.decode(ids) if req.echo else "") + c.text
+    lp = None
+    if req.logprobs is not None:
+        tok = service.tokenizer
+        tokens = [tok.decode([t]) for t in c.ids]
+        offsets, at = [], 0
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        lp = {"tokens": tokens, "token_logprobs": c.logprobs, "text_offset": offsets,
+              "top_logprobs": [{tok.decode([a]): b for a, b in top} for top in c.top]}
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish}
+
+
+async def _completion_stream(service, req, prompts, budgets, head):
+    async def produce(put):
+        for j, ids in enumerate(prompts):
+            async def on_delta(c: Choice, j=j) -> None:
+                if len(c.text) > c.sent and not c.text.endswith("\ufffd"):
+                    await put({**head, "choices": [{
+                        "index": j * req.n + c.index, "text": c.text[c.sent:],
+                        "logprobs": None, "finish_reason": None}]})
+                    c.sent = len(c.text)
+            for c in await _run(service, ids, _params(req, budgets[j], 0, None), req.stop,
+                                on_delta):
+                await put({**head, "choices": [{"index": j * req.n + c.index,
+                                                "text": c.text[c.sent:], "logprobs": None,
+                                                "finish_reason": c.finish}]})
+    async for item in _events(produce):
+        yield item

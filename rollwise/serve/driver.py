@@ -1,0 +1,173 @@
+"""One thread that owns the engine while it serves: requests from any thread (HTTP handlers,
+agent episodes) are queued, added to the engine between steps and batched together, and each
+request's events are handed back to whoever waits on it. The engine itself is never touched
+from two threads.
+
+    driver = EngineDriver(engine, gate=rollout.gate)
+    stream = driver.submit(prompt_ids, params)   # thread-safe
+    for ev in stream.events(timeout_s=60): ...   # the engine's events for this request
+    driver.close()
+
+`gate`: the asynchronous loop's WeightGate, held for each engine step and its events, as the
+rollout driver does, so a weight push lands between steps and every token carries the version
+that sampled it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from contextlib import nullcontext
+
+from rollwise.engine import Request, SamplingParams
+from rollwise.engine.scheduler import Event
+
+IDLE_WAIT_S = 0.05  # how long the idle driver waits for a request before it looks again
+
+
+class EngineStopped(RuntimeError):
+    """The driver was closed or its engine failed; the message says which."""
+
+
+class Stream:
+    """One request's events, as the driver hands them over."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tag, on_event=None):
+        """on_event: called from the engine's thread with each event (or the exception that
+        ended the request) instead of queueing it for `events` (an asyncio handler passes
+        loop.call_soon_threadsafe here)."""
+        self.prompt_ids, self.params, self.tag = prompt_ids, params, tag
+        self.on_event = on_event
+        self.seq_id: int | None = None
+        self.sent = 0  # tokens handed over so far
+        self._events: queue.Queue = queue.Queue()
+        self.cancelled = False
+
+    def events(self, timeout_s: float):
+        """This request's events up to its last; each wait is bounded by timeout_s."""
+        while True:
+            try:
+                item = self._events.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"the engine sent nothing for {timeout_s:.0f}s "
+                                   "(serve.request_timeout_s)") from None
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def put(self, item) -> None:
+        if self.on_event is not None:
+            self.on_event(item)
+        else:
+            self._events.put(item)
+
+    def cancel(self) -> None:
+        """The caller is gone (a closed stream, a stop string met): abort it at the next step."""
+        self.cancelled = True
+
+
+class EngineDriver:
+    def __init__(self, engine, gate=None, name: str = "rollwise-serve-engine"):
+        self.engine, self.gate = engine, gate
+        self._inbox: queue.Queue[Stream] = queue.Queue()
+        self._live: dict[int, Stream] = {}
+        self._closed = threading.Event()
+        self._failure: BaseException | None = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, tag=None,
+               on_event=None) -> Stream:
+        if self._failure is not None:
+            raise EngineStopped(f"the engine failed: {self._failure}")
+        if self._closed.is_set():
+            raise EngineStopped("the engine is not serving (closed)")
+        stream = Stream(list(prompt_ids), params, next(self._ids) if tag is None else tag,
+                        on_event)
+        self._inbox.put(stream)
+        return stream
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._live) or not self._inbox.empty()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop serving: requests still running are aborted (their waiters get EngineStopped);
+        returns once the engine is idle."""
+        self._closed.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the serving engine's thread did not stop within {timeout_s:.0f}s")
+
+    # --- the engine's thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                self._admit(block=not self._live)
+                if self._live:
+                    self._step()
+        except BaseException as e:  # the engine failed: every waiter hears it
+            self._failure = e
+        finally:
+            self._stop_all()
+
+    def _admit(self, block: bool) -> None:
+        try:
+            first = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        for stream in [first, *self._drain()]:
+            stream.seq_id = self.engine.add(Request(stream.prompt_ids, stream.params,
+                                                    stream.tag))
+            self._live[stream.seq_id] = stream
+
+    def _drain(self) -> list[Stream]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _step(self) -> None:
+        with self.gate.shared() if self.gate is not None else nullcontext():
+            for seq_id, stream in list(self._live.items()):
+                if stream.cancelled and hasattr(self.engine, "abort"):
+                    self._deliver(self._aborted(seq_id, stream))
+            if self._live:
+                for ev in self.engine.step():
+                    self._deliver(ev)
+
+    def _aborted(self, seq_id: int, stream: Stream) -> Event:
+        """The sequence stopped for good; its last event carries the tokens not yet sent."""
+        c = self.engine.abort(seq_id)
+        n = stream.sent
+        return Event(seq_id, stream.tag, c.token_ids[n:], c.logprobs[n:], c.entropies[n:],
+                     c.versions[n:], True, "abort")
+
+    def _deliver(self, ev: Event) -> None:
+        stream = self._live.get(ev.seq_id)
+        if stream is None:
+            return
+        if ev.finished:
+            del self._live[ev.seq_id]
+        stream.sent += len(ev.token_ids)
+        stream.put(ev)
+
+    def _stop_all(self) -> None:
+        why = EngineStopped(f"the engine failed: {self._failure}" if self._failure is not None
+                            else "the engine stopped serving (closed)")
+        for seq_id, stream in list(self._live.items()):
+            if hasattr(self.engine, "abort") and self._failure is None:
+                try:
+                    self.engine.abort(seq_id)
+                except Exception:
+                    pass
+            stream.put(why)
+        self._live.clear()
+        for stream in self._drain():
+            stream.put(why)
