@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from rollwise import registry
+from rollwise.agents.transcripts import episode_examples
 from rollwise.engine import SamplingParams
 from rollwise.serve.app import Policy, Service, build_app
 from rollwise.serve.chat import Piece
@@ -54,6 +55,7 @@ class AgentEpisode:
 
 
 class AgentGenerator(Generator):
+    produces = "episodes"  # multi-turn, with tools: what a task played as episodes wants
     runs_to_end = True  # an episode's calls are served within its round
 
     def __init__(self, cfg, tokenizer):
@@ -96,6 +98,13 @@ class AgentGenerator(Generator):
                                ledger, per_problem=1):
             wins.append(self._solved(ep, scorer))
         return {"eval/pass1": sum(wins) / max(len(wins), 1)}
+
+    def warm_start_examples(self, cfg, task, tokenizer) -> list[tuple]:
+        """A task played as episodes: its teacher's transcripts through generate.env (as the
+        episode strategy's warm start); any other, its worked solutions."""
+        if task.played_as == "episodes" and cfg.generate.env:
+            return episode_examples(cfg, task, tokenizer, cfg.sft.noise, cfg.run.seed)
+        return super().warm_start_examples(cfg, task, tokenizer)
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,7 +1,8 @@
 """Chat calls as token ids, and calls that continue a conversation as one token-exact sample.
 
 A call's prompt is its messages rendered by the tokenizer's chat template (with `tools` where
-given; the built-in character model, which has no template, uses rollwise's plain turns). When
+given; the built-in character model, which has no template, uses rollwise's plain turns, as
+its episodes do: the opening user message as the prompt itself, then ';role: text;' turns). When
 a call continues an earlier call of the same episode — its messages are that call's messages,
 then the assistant message the server returned (as the client sends it back), then anything
 new (tool results, a user turn) — its prompt is the earlier prompt, the engine's own tokens of
@@ -32,10 +33,15 @@ class Renderer:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False,
                 add_generation_prompt=generation_prompt)
-        eos = self.tokenizer.eos_token or ""  # the model ends its turn with eos
-        return "".join((m.get("content") or "") + eos if m["role"] == "assistant"
-                       else plain_turn({"role": m["role"], "content": m.get("content") or ""})
-                       for m in messages)
+        # rollwise's plain turns, as episodes write them: the opening user message is the
+        # prompt as it stands (as the task's prompts are), the model's turns end with eos,
+        # and every later message is a ';role: text;' turn
+        eos = self.tokenizer.eos_token or ""
+        return "".join(
+            (m.get("content") or "") + eos if m["role"] == "assistant" else
+            (m.get("content") or "") if i == 0 and m["role"] == "user" else
+            plain_turn({"role": m["role"], "content": m.get("content") or ""})
+            for i, m in enumerate(messages))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

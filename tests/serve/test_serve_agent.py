@@ -32,14 +32,15 @@ def scripted(turns, marker):
     return lambda prompt: turns[min(prompt.count(marker), len(turns) - 1)]
 
 
-def play(tok, agent, script, extra=(), n=2):
-    cfg = load_config(None, ["generate.strategy=agent", "generate.agent=agent_plugins:"
-                             + agent.__name__, "model.max_positions=1024",
+def play(tok, agent, script, extra=(), n=2, prompt="what is 2+3 times 5?"):
+    path = agent if isinstance(agent, str) else "agent_plugins:" + agent.__name__
+    cfg = load_config(None, ["generate.strategy=agent", f"generate.agent={path}",
+                             "model.max_positions=1024",
                              "generate.max_new_tokens=96", *extra])
     gen = AgentGenerator(cfg, tok)
     engine = ScriptedEngine(tok, script)
     params = SamplingParams(max_new_tokens=96, stop_ids=_stops(tok))
-    problems = [Problem(f"p{i}", "what is 2+3 times 5?", "25") for i in range(n)]
+    problems = [Problem(f"p{i}", prompt, "25") for i in range(n)]
     for p in problems:
         p.prompt_ids = tok.encode(p.prompt, add_special_tokens=False)
     ledger = Ledger()
@@ -172,3 +173,22 @@ def test_agents_in_the_asynchronous_loop_keep_the_staleness_bound(tmp_path):
     for r in rows:
         model = [v for v, m in zip(r["versions"], r["loss_mask"]) if m]
         assert model and all(r["step"] - 1 - 1 <= v <= r["step"] - 1 for v in model)
+
+
+def test_the_readme_agent_calls_the_calculator_and_answers_with_its_result(monkeypatch):
+    """examples/calc_agent.py on the character model's plain tool format: the model's
+    calculator(417*386) comes back to the agent as an OpenAI tool call, its result as a tool
+    message the model then copies."""
+    import pathlib
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[2] / "examples"))
+    tok = char_tokenizer()
+
+    def model(prompt):
+        return "calculator(417*386)<eos>" if ";tool:" not in prompt else \
+            prompt.rsplit(";tool: ", 1)[1].split(";")[0] + "<eos>"
+    played, ledger, _ = play(tok, "calc_agent:solve", model, n=1, prompt="417*386=")
+    ((ep, pieces),) = played
+    assert ep.error is None and ep.result == str(417 * 386)
+    (piece,) = pieces
+    assert tok.decode(piece.ids, skip_special_tokens=False) == \
+        "417*386=calculator(417*386)<eos>;tool: 160962;160962<eos>"
