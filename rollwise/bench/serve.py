@@ -5,12 +5,13 @@ environment that answers the first turn with "Go on." and ends at the second).
 
     rollwise bench serve --json [--model DIR] [--agents 8 64] [--tokens 32] [--repeats 3]
 
-Every turn ends at the model's end of turn or at --tokens, sampled at temperature 1 on a fresh
+Every turn ends at the model's end of turn or at --tokens (an episode whose first turn ran
+out of tokens ends there, in both arms), sampled at temperature 1 on a fresh
 built-in engine per round (the arms' samples differ, so their token counts do too: tokens/s
 is the measure). Per round: tokens/s (the
 model's tokens over the round's wall time), the agent's call latency (p50/p99, as the client
-timed it), and a check that every episode ended exactly once with its two calls, none lost
-or repeated. The arms alternate, --repeats times; medians. Top-level key:
+timed it), and a check that every episode ended exactly once with its one or two calls, none
+lost or repeated. The arms alternate, --repeats times; medians. Top-level key:
 serve_tokens_ratio (the endpoint's tokens/s over the generator's, at the largest N).
 """
 
@@ -26,6 +27,7 @@ from rollwise import models
 from rollwise.agents.episode import EpisodeGenerator
 from rollwise.config import load_config
 from rollwise.engine import BuiltinEngine, SamplingParams
+from rollwise.engine.sizing import prefix_cache_tokens
 from rollwise.serve.agent import AgentGenerator
 from rollwise.serve.app import Policy
 from rollwise.serve.chat import Renderer
@@ -47,6 +49,8 @@ def two_turns(problem, client):
         r = client.chat.completions.create(model=client.model, messages=messages,
                                            max_tokens=TURN_TOKENS)
         LATENCIES.append(time.perf_counter() - t0)
+        if r.choices[0].finish_reason == "length":
+            break  # as the episode generator ends an episode whose turn ran out of tokens
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         messages.append({"role": "user", "content": "Go on."})
     return 0.0
@@ -87,6 +91,12 @@ def config(model: str | None, n: int):
                               f"generate.agent_concurrency={n}", "generate.agent_timeout_s=600"])
 
 
+def engine(cfg, model) -> BuiltinEngine:
+    """A fresh engine, its prefix cache sized as a run sizes it for agents (both arms alike:
+    a second turn prefills only what was added)."""
+    return BuiltinEngine(model, seed=0, prefix_cache_tokens=prefix_cache_tokens(cfg))
+
+
 def endpoint_round(cfg, model, tok, qs) -> dict:
     LATENCIES.clear()
     gen = AgentGenerator(cfg, tok)
@@ -96,8 +106,8 @@ def endpoint_round(cfg, model, tok, qs) -> dict:
     try:
         gen._serve(params)  # the server starts before the clock, as in a run's later rounds
         t0 = time.perf_counter()
-        played = gen.play(BuiltinEngine(model, seed=0), params, qs, Policy(1.0, 1.0), None,
-                          ledger, per_problem=1)
+        played = gen.play(engine(cfg, model), params, qs, Policy(1.0, 1.0), None, ledger,
+                          per_problem=1)
         wall = time.perf_counter() - t0
     finally:
         gen.close()
@@ -107,7 +117,7 @@ def endpoint_round(cfg, model, tok, qs) -> dict:
     return {"seconds": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "p50_s": statistics.median(LATENCIES),
             "p99_s": sorted(LATENCIES)[min(len(LATENCIES) - 1, int(0.99 * len(LATENCIES)))],
-            "episodes_ok": ended == sorted(q.id for q in qs) and calls == [2] * len(qs),
+            "episodes_ok": ended == sorted(q.id for q in qs) and all(c in (1, 2) for c in calls),
             "turns": sum(calls),
             "splits": ledger.decisions.get("agent/split/rewrite", 0)}
 
@@ -116,9 +126,8 @@ def generator_round(cfg, model, tok, qs) -> dict:
     gen = EpisodeGenerator(cfg, tok)
     params = SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS,
                             stop_ids=stop_ids(tok, model.config))
-    engine = BuiltinEngine(model, seed=0)
     t0 = time.perf_counter()
-    rollout = Rollout(engine, RunToEnd(), Ledger(), params)
+    rollout = Rollout(engine(cfg, model), RunToEnd(), Ledger(), params)
     gen.generate(rollout, qs, step=1)
     wall = time.perf_counter() - t0
     samples = [s for g in rollout.groups for s in g.samples]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rollwise import registry
 from rollwise.sync.payload import dtype_name, to_dtype
 
 
@@ -41,11 +42,13 @@ def kv_budget_tokens(cfg, model) -> int | None:
 
 def prefix_cache_tokens(cfg) -> int:
     """engine.prefix_cache_tokens, auto resolved: room for every episode of a step (prompt and
-    episode, the prompt taken as long as the episode) when episodes are played, else off."""
+    episode, the prompt taken as long as the episode) when episodes are played (generate.env,
+    or a strategy whose requests extend earlier ones: Generator.multi_turn), else off."""
     n, g = cfg.engine.prefix_cache_tokens, cfg.generate
     if n != "auto":
         return n
-    if not g.env:
+    strategy = registry.resolve("generator", g.strategy, "generate.strategy")
+    if not g.env and not getattr(strategy, "multi_turn", False):
         return 0
     episode = g.max_episode_tokens or g.max_new_tokens * g.max_turns
     return cfg.control.prompts_per_step * g.group_size * 2 * episode

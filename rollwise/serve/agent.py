@@ -23,6 +23,7 @@ loop the engine is stepped under the loop's weight gate, as any rollout is.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 import traceback
@@ -56,6 +57,7 @@ class AgentEpisode:
 
 class AgentGenerator(Generator):
     produces = "episodes"  # multi-turn, with tools: what a task played as episodes wants
+    multi_turn = True
     runs_to_end = True  # an episode's calls are served within its round
 
     def __init__(self, cfg, tokenizer):
@@ -69,6 +71,7 @@ class AgentGenerator(Generator):
         self.max_context, self.stop_ids = None, None
         self.service: Service | None = None
         self.server: BackgroundServer | None = None
+        self.http = None  # the episodes' shared connection pool (_http)
         self.cfg = cfg
 
     # --- the Generator interface --------------------------------------------------------------
@@ -107,6 +110,9 @@ class AgentGenerator(Generator):
         return super().warm_start_examples(cfg, task, tokenizer)
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+            self.http = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -163,7 +169,7 @@ class AgentGenerator(Generator):
         try:
             client = openai.OpenAI(base_url=f"{self.server.url}/episodes/{ep.token}/v1",
                                    api_key="rollwise", max_retries=0,
-                                   timeout=self.timeout_s)
+                                   timeout=self.timeout_s, http_client=self._http())
             client.model = MODEL_NAME
             ep.result = self.fn(ep.problem, client)
             if isinstance(ep.result, bool) or not isinstance(ep.result, (int, float, str)):
@@ -173,6 +179,20 @@ class AgentGenerator(Generator):
             ep.error = "".join(traceback.format_exception_only(type(e), e)).strip()[-500:]
         finally:
             ep.done.set()
+
+    def _http(self):
+        """One HTTP connection pool for every episode's client (a client each would build its
+        own, TLS context included: milliseconds per episode, in the round's critical path)."""
+        if self.http is None:
+            import openai
+            # openai's own client class, on whichever HTTP library (httpx, httpx2) it is built
+            lib = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__
+                                          .split(".")[0])
+            room = self.concurrency + 8  # a connection for every episode at once
+            self.http = openai.DefaultHttpxClient(
+                timeout=self.timeout_s,
+                limits=lib.Limits(max_connections=room, max_keepalive_connections=room))
+        return self.http
 
     def _serve(self, params) -> Service:
         if self.service is None:

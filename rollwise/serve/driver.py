@@ -18,12 +18,14 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from contextlib import nullcontext
 
 from rollwise.engine import Request, SamplingParams
 from rollwise.engine.scheduler import Event
 
 IDLE_WAIT_S = 0.05  # how long the idle driver waits for a request before it looks again
+BURST_S, BURST_GAP_S = 0.5, 0.01  # an idle engine gathers a burst of requests (see _settle)
 
 
 class EngineStopped(RuntimeError):
@@ -120,10 +122,22 @@ class EngineDriver:
             first = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        if block:  # an idle engine's first request often opens a burst (a round of agents
+            self._settle()  # starting): prefill the burst together, not one request at a time
         for stream in [first, *self._drain()]:
             stream.seq_id = self.engine.add(Request(stream.prompt_ids, stream.params,
                                                     stream.tag))
             self._live[stream.seq_id] = stream
+
+    def _settle(self) -> None:
+        """Wait (at most BURST_S) until no request has come for BURST_GAP_S."""
+        deadline, seen = time.monotonic() + BURST_S, self._inbox.qsize()
+        while time.monotonic() < deadline:
+            time.sleep(BURST_GAP_S)
+            now = self._inbox.qsize()
+            if now == seen:
+                return
+            seen = now
 
     def _drain(self) -> list[Stream]:
         out = []

@@ -81,12 +81,16 @@ def test_streaming_returns_what_non_streaming_does(served):
     c = client(server)
     for seed in (1, 2, 3):
         whole = c.chat.completions.create(model="chat", messages=MESSAGES, seed=seed,
-                                          max_tokens=24)
+                                          max_tokens=24, logprobs=True)
         chunks = list(c.chat.completions.create(model="chat", messages=MESSAGES, seed=seed,
-                                                max_tokens=24, stream=True))
+                                                max_tokens=24, stream=True, logprobs=True))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == \
             whole.choices[0].message.content
         assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        streamed = [t for ch in chunks if ch.choices[0].logprobs
+                    for t in ch.choices[0].logprobs.content]
+        assert [(t.token, t.logprob) for t in streamed] == \
+            [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]  # same tokens
         text = c.completions.create(model="chat", prompt="What is", seed=seed, max_tokens=16)
         streamed = c.completions.create(model="chat", prompt="What is", seed=seed,
                                         max_tokens=16, stream=True)

@@ -18,6 +18,9 @@ class Generator(abc.ABC):
     produces = "responses"
     """What a sample is; a task whose `played_as` is not 'responses' needs a generator that
     produces the same ('episodes', 'packs')."""
+    multi_turn = False
+    """True: a sample's next request extends its last one (agent turns), so the engine's
+    prefix cache pays (engine.prefix_cache_tokens=auto turns it on)."""
     runs_to_end = False
     """True: every sample must run to its end in the round that started it, so only
     control.inflight=none (RunToEnd) may drive it, never one that pauses or carries samples."""

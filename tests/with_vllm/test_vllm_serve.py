@@ -1,0 +1,51 @@
+"""The OpenAI-compatible endpoints over the vLLM engine (rollwise.serve), through the real
+`openai` client: what they return is what the same engine gives directly for the same prompt
+ids and seed, streaming or not.
+
+    .venv-vllm/bin/python -m pytest -m vllm tests/with_vllm/test_vllm_serve.py -q
+"""
+
+import os
+
+import engine_contract as contract
+import openai
+import pytest
+
+from rollwise import models
+from rollwise.engine import Request, SamplingParams
+from rollwise.serve.app import Service, build_app
+from rollwise.serve.driver import EngineDriver
+from rollwise.serve.server import BackgroundServer
+
+pytestmark = pytest.mark.vllm
+PROMPT = "12+7="
+
+
+def test_the_endpoints_serve_vllm_as_the_engine_generates(tmp_path):
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from rollwise.engine.vllm import VLLMEngine
+    model, tok = contract.wild_model(hidden=64, heads=2, kv_heads=1)  # head_dim 32 for vLLM
+    models.save(model, tok, tmp_path / "model")
+    engine = VLLMEngine(tmp_path / "model", max_batch=4, max_model_len=64, block_size=32)
+    service = Service(tok, "wild", 64, (tok.eos_token_id,))
+    service.driver = EngineDriver(engine)
+    server = BackgroundServer(build_app(service))
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        whole = c.completions.create(model="wild", prompt=PROMPT, seed=4, max_tokens=12, n=2,
+                                     logprobs=0)
+        streamed = c.completions.create(model="wild", prompt=PROMPT, seed=4, max_tokens=12,
+                                        stream=True)
+        text = "".join(ch.choices[0].text for ch in streamed)
+    finally:
+        server.close()
+        service.driver.close()
+    ids = tok.encode(PROMPT)
+    for i, choice in enumerate(whole.choices):
+        (want,) = engine.generate([Request(ids, SamplingParams(max_new_tokens=12, seed=4 + i,
+                                                               stop_ids=(tok.eos_token_id,)))])
+        body = want.token_ids[:-1] if want.finish_reason == "stop" else want.token_ids
+        assert choice.text == tok.decode(body, skip_special_tokens=True)
+        assert choice.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert text == whole.choices[0].text
