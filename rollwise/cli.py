@@ -140,9 +140,10 @@ def cmd_serve(args) -> int:
     """The OpenAI-compatible endpoints over a model folder, for inference (rollwise.serve)."""
     from rollwise import models
     from rollwise.engine import BuiltinEngine
-    from rollwise.serve.app import Service, build_app
+    from rollwise.serve.app import build_app
     from rollwise.serve.driver import EngineDriver
     from rollwise.serve.server import check_bind, serve_forever
+    from rollwise.serve.service import Service
     from rollwise.tasks.prompts import stop_ids
     try:
         check_bind(args.host, args.api_key)  # before the model loads

@@ -29,8 +29,8 @@ from rollwise.config import load_config
 from rollwise.engine import BuiltinEngine, SamplingParams
 from rollwise.engine.sizing import prefix_cache_tokens
 from rollwise.serve.agent import AgentGenerator
-from rollwise.serve.app import Policy
 from rollwise.serve.chat import Renderer
+from rollwise.serve.service import Policy
 from rollwise.stages.control.inflight import RunToEnd
 from rollwise.stages.generate.rollout import Rollout
 from rollwise.stages.ledger import Ledger

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from rollwise import registry
 from rollwise.agents.transcripts import episode_examples
 from rollwise.engine import SamplingParams
-from rollwise.serve.app import Policy, Service, build_app
+from rollwise.serve.app import build_app
 from rollwise.serve.chat import Piece
 from rollwise.serve.driver import EngineDriver
 from rollwise.serve.server import BackgroundServer
+from rollwise.serve.service import Policy, Service
 from rollwise.stages.generate.base import Generator
 from rollwise.stages.generate.group import new_sample
 from rollwise.stages.ledger import Ledger
@@ -76,7 +77,7 @@ class AgentGenerator(Generator):
 
     # --- the Generator interface --------------------------------------------------------------
     def generate(self, rollout, problems: list[Problem], step: int) -> None:
-        policy = Policy(rollout.params.temperature, rollout.params.top_p)
+        policy = Policy(rollout.params.temperature, rollout.params.top_p, rollout.params.top_k)
         episodes = self.play(rollout.engine, rollout.params, problems, policy, rollout.gate,
                              rollout.ledger)
         by_problem: dict[str, Group] = {}

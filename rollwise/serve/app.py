@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoints over an engine: /v1/chat/completions, /v1/completions and
 /v1/models, streaming (server-sent events) and not, under /v1 and under each agent episode's
-own prefix /episodes/<token>/v1 (rollwise.serve.episodes records what those calls produce).
+own prefix /episodes/<token>/v1 (rollwise.serve.chat records what those calls produce).
 
 Requests of every client and episode are batched by one engine driver (rollwise.serve.driver).
 Tool calls are parsed from the model's turn in the format its chat template teaches
@@ -17,62 +17,15 @@ import json
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from rollwise.engine import SamplingParams
-from rollwise.serve.chat import Continued, Renderer, Transcript, Turn
-from rollwise.serve.driver import EngineStopped
+from rollwise.serve.chat import Continued, Turn
 from rollwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, usage
-
-
-@dataclass
-class Policy:
-    """Sampling a training round imposes on its episodes' calls (the policy being trained):
-    temperature and top_p replace the client's; None leaves the client's."""
-    temperature: float | None = None
-    top_p: float | None = None
-
-
-@dataclass
-class EpisodeCalls:
-    """An agent episode's calls, as the server sees them."""
-    transcript: Transcript
-    policy: Policy = field(default_factory=Policy)
-    open: bool = True
-    calls: int = 0
-
-
-class Service:
-    """What the endpoints serve: the engine (through a driver, which may come and go between
-    training rounds), the tokenizer's rendering, limits, the API key and the open episodes."""
-
-    def __init__(self, tokenizer, model_name: str, max_context: int, stop_ids,
-                 api_key: str | None = None, request_timeout_s: float = 600.0,
-                 default_max_tokens: int = 256):
-        self.renderer = Renderer(tokenizer)
-        self.tokenizer, self.model_name, self.max_context = tokenizer, model_name, max_context
-        self.stop_ids = tuple(stop_ids)
-        self.api_key, self.timeout_s = api_key, request_timeout_s
-        self.default_max_tokens = default_max_tokens
-        self.renders_tool_calls = "tool_calls" in (getattr(tokenizer, "chat_template", None)
-                                                   or "")
-        self.driver = None
-        self.episodes: dict[str, EpisodeCalls] = {}
-        self.requests = 0
-
-    def open_episode(self, policy: Policy | None = None) -> str:
-        token = secrets.token_urlsafe(16)
-        self.episodes[token] = EpisodeCalls(Transcript(self.renderer), policy or Policy())
-        return token
-
-    def close_episode(self, token: str) -> EpisodeCalls:
-        ep = self.episodes.pop(token)
-        ep.open = False
-        return ep
+from rollwise.serve.service import Choice, EpisodeCalls, Policy, Service, run_choices
 
 
 def build_app(service: Service) -> FastAPI:
@@ -153,82 +106,11 @@ def _params(req, max_new: int, top_logprobs: int, policy: Policy | None) -> list
     temperature = policy.temperature if policy and policy.temperature is not None \
         else req.temperature
     top_p = policy.top_p if policy and policy.top_p is not None else req.top_p
-    return [SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
+    return [SamplingParams(temperature=temperature, top_p=top_p,
+                           top_k=policy.top_k if policy else 0, max_new_tokens=max_new,
                            stop_ids=(), top_logprobs=top_logprobs,
                            seed=None if req.seed is None else req.seed + i,
                            event_every=1 if req.stop else 0) for i in range(req.n)]
-
-
-@dataclass
-class Choice:
-    """One choice's tokens as its events come, and its text so far."""
-    index: int
-    stops: list[str]
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
-    top: list = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of text already streamed
-    finish: str | None = None
-
-
-async def _run(service: Service, prompt_ids: list[int], params: list[SamplingParams],
-               stops: list[str], on_delta=None) -> list[Choice]:
-    """The engine's answers to one request (a choice per params), each choice's text cut at
-    its first stop string; on_delta(choice) after each event with new text."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    stop_ids = service.stop_ids
-    choices = [Choice(i, stops) for i in range(len(params))]
-    streams = []
-    try:
-        for i, p in enumerate(params):
-            p = SamplingParams(**{**p.__dict__, "stop_ids": stop_ids})
-            streams.append(service.driver.submit(
-                prompt_ids, p, tag=i,
-                on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))))
-    except EngineStopped as e:
-        raise ApiError(503, str(e), "not_serving", kind="server_error") from None
-    pending = len(streams)
-    try:
-        while pending:
-            try:
-                i, ev = await asyncio.wait_for(events.get(), service.timeout_s)
-            except TimeoutError:
-                raise ApiError(504, f"the engine sent nothing for {service.timeout_s:.0f}s",
-                               "timeout", kind="server_error") from None
-            if isinstance(ev, BaseException):
-                raise ApiError(503, str(ev), "not_serving", kind="server_error")
-            c = choices[i]
-            if c.finish is None:
-                _take(service, c, ev, streams[i])
-                if on_delta is not None:
-                    await on_delta(c)
-            pending -= ev.finished
-    finally:
-        for s in streams:
-            s.cancel()  # a client that went away (or a stop string met) frees its sequences
-    return choices
-
-
-def _take(service: Service, c: Choice, ev, stream) -> None:
-    c.ids += ev.token_ids
-    c.logprobs += ev.logprobs
-    c.versions += ev.versions
-    c.entropies += ev.entropies
-    c.top += ev.top_logprobs or [[] for _ in ev.token_ids]
-    ids = c.ids[:-1] if ev.finished and c.ids and c.ids[-1] in service.stop_ids else c.ids
-    text = service.tokenizer.decode(ids, skip_special_tokens=True)
-    hit = min((text.find(s) for s in c.stops if s in text), default=-1)
-    if hit >= 0:
-        c.text, c.finish = text[:hit], "stop"
-        stream.cancel()
-        return
-    c.text = text
-    if ev.finished:
-        c.finish = "stop" if ev.finish_reason == "stop" else "length"
 
 
 def _chat(service: Service):
@@ -260,7 +142,7 @@ def _chat(service: Service):
                     ep.transcript.record(at, turn, c.logprobs, c.versions, c.entropies)
 
         if not req.stream:
-            choices = await _run(service, at.prompt_ids, params, req.stop)
+            choices = await run_choices(service, at.prompt_ids, params, req.stop)
             finished(choices)
             out = []
             for c in choices:
@@ -343,7 +225,7 @@ async def _chat_stream(service, req, at, params, head, tools, message, finished)
                     "content": c.text[c.sent:]}, "finish_reason": None}]})
                 c.sent = len(c.text)
 
-        choices = await _run(service, at.prompt_ids, params, req.stop, on_delta)
+        choices = await run_choices(service, at.prompt_ids, params, req.stop, on_delta)
         finished(choices)
         for c in choices:
             msg, reason = message(c)
@@ -404,7 +286,7 @@ def _completions(service: Service):
         out, used = [], 0
         for j, ids in enumerate(prompts):
             params = _params(req, budgets[j], req.logprobs or 0, None)
-            for c in await _run(service, ids, params, req.stop):
+            for c in await run_choices(service, ids, params, req.stop):
                 used += len(c.ids)
                 out.append(_text_choice(service, req, ids, c, j * req.n + c.index))
         return {**head, "choices": out,
@@ -436,7 +318,7 @@ async def _completion_stream(service, req, prompts, budgets, head):
                         "index": j * req.n + c.index, "text": c.text[c.sent:],
                         "logprobs": None, "finish_reason": None}]})
                     c.sent = len(c.text)
-            for c in await _run(service, ids, _params(req, budgets[j], 0, None), req.stop,
+            for c in await run_choices(service, ids, _params(req, budgets[j], 0, None), req.stop,
                                 on_delta):
                 await put({**head, "choices": [{"index": j * req.n + c.index,
                                                 "text": c.text[c.sent:], "logprobs": None,

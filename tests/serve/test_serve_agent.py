@@ -15,8 +15,8 @@ from rollwise.engine import SamplingParams
 from rollwise.loop.run import train
 from rollwise.models import char_tokenizer
 from rollwise.serve.agent import AgentGenerator
-from rollwise.serve.app import Policy
 from rollwise.serve.chat import Renderer
+from rollwise.serve.service import Policy
 from rollwise.stages.ledger import Ledger
 from rollwise.store.rollouts import RolloutStore
 from rollwise.types import Problem, Status

@@ -177,6 +177,14 @@ class OneTurnEnv:
         return None, 0.0, True, {}
 
 
+def one_turn_agent(problem, client):
+    """An agent written for the OpenAI client that asks once: one sample per episode, whose
+    prompt is the problem's (the plain model's opening message is the prompt itself)."""
+    client.chat.completions.create(model=client.model,
+                                   messages=[{"role": "user", "content": problem.prompt}])
+    return 0.0
+
+
 # Connect-the-Dots writes each episode's prompt from its pack (a hint, then the task), so a
 # sample's prompt is not its problem's, and it refuses in-flight control: its contract is in
 # tests/agents/test_agent_packs.py
@@ -188,9 +196,12 @@ PROMPT_GENERATORS = [g for g in implementations("generator", ForkingGenerator) i
 def test_generator_and_controller_contract(tiny, generator, controller):
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 10,
-                                              "env": "test_stage_contracts:OneTurnEnv"},
+                                              "env": "test_stage_contracts:OneTurnEnv",
+                                              "agent": "test_stage_contracts:one_turn_agent"},
                                  "control": {"april": {"over_provision": 2.0}}})
     gen = build("generator", generator, cfg, tok)
+    if getattr(gen, "runs_to_end", False) and controller != "none":
+        pytest.skip("a run refuses this pair before any work (check_generator)")
     loop = Loop(build("inflight", controller, cfg))
     if hasattr(loop.inflight, "bind"):  # the context Control.bind gives in a run
         loop.inflight.bind(policy=model, tokenizer=tok, task=DigitTask())
@@ -235,6 +246,7 @@ def test_generator_and_controller_contract(tiny, generator, controller):
         assert decisions.decisions["control/abort/cap"] > 0  # counted with its reason
     if generator is ForkingGenerator:
         assert decisions.decisions["control/fork/grow_group"] > 0
+    getattr(gen, "close", lambda: None)()
 
 
 def test_an_everyone_decision_pauses_every_unfinished_request_and_counts_them(tiny):
