@@ -55,6 +55,8 @@ def parse_hermes(text: str) -> list[ToolCall]:
             calls.append(_from_object(json.loads(body), "arguments"))
         except json.JSONDecodeError as e:
             calls.append(ToolCall(None, error=f"not JSON ({e.msg} at character {e.pos})"))
+        except RecursionError:  # model output nested past the parser's depth
+            calls.append(ToolCall(None, error="not JSON (nested too deeply)"))
     return calls
 
 
@@ -66,6 +68,8 @@ def parse_json(text: str) -> list[ToolCall]:
         return [_from_object(json.loads(body), "parameters")]
     except json.JSONDecodeError as e:
         return [ToolCall(None, error=f"not JSON ({e.msg} at character {e.pos})")]
+    except RecursionError:
+        return [ToolCall(None, error="not JSON (nested too deeply)")]
 
 
 _PLAIN = re.compile(r"([a-z_][a-z0-9_]*)\(([^()]*)\)")

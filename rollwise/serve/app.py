@@ -20,12 +20,15 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from rollwise.engine import SamplingParams
 from rollwise.serve.chat import Continued, Turn
 from rollwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, usage
 from rollwise.serve.service import Choice, EpisodeCalls, Policy, Service, run_choices
+
+MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413) before it is read
 
 
 def build_app(service: Service) -> FastAPI:
@@ -42,6 +45,10 @@ def build_app(service: Service) -> FastAPI:
 
     @app.middleware("http")
     async def _key(request: Request, call_next):
+        size = request.headers.get("content-length", "0")
+        if not size.isdigit() or int(size) > MAX_BODY_BYTES:
+            return JSONResponse(ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes",
+                                         "body_too_large").body(), status_code=413)
         if service.api_key is not None and not secrets.compare_digest(
                 request.headers.get("authorization", ""), f"Bearer {service.api_key}"):
             return JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer "
@@ -119,8 +126,12 @@ def _chat(service: Service):
         ep = _checks(service, req, episode)
         messages = [m.plain() for m in req.messages]
         tools = None if req.tool_choice == "none" else req.tools
-        at = ep.transcript.prompt(messages, tools) if ep else \
-            Continued(service.renderer.prompt_ids(messages, tools))
+        try:
+            at = ep.transcript.prompt(messages, tools) if ep else \
+                Continued(service.renderer.prompt_ids(messages, tools))
+        except TemplateError as e:  # e.g. a template that wants roles to alternate
+            raise ApiError(400, f"the chat template cannot render these messages: {e}",
+                           "invalid_messages", "messages") from None
         max_new = _budget(service, len(at.prompt_ids),
                           req.max_completion_tokens or req.max_tokens)
         k = (req.top_logprobs or 0) if req.logprobs else 0

@@ -214,3 +214,61 @@ def test_a_client_that_leaves_a_stream_frees_its_sequence(chat_dir):
     finally:
         server.close()
         service.driver.close()
+
+
+def test_what_a_template_cannot_render_or_a_huge_body_is_a_4xx_not_a_crash():
+    strict = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+              "{{ raise_exception('system messages are not supported') }}{% endif %}"
+              "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = chat_tokenizer(template=strict)
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call><|im_end|>"  # past json's depth
+    service = Service(tok, "m", 100_000, (tok.convert_tokens_to_ids("<|im_end|>"),))
+    service.driver = EngineDriver(ScriptedEngine(tok, lambda prompt: deep))
+    server = BackgroundServer(build_app(service))
+    try:
+        c = client(server)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", messages=MESSAGES)
+        assert "system messages are not supported" in e.value.body["message"]
+        tools = [{"type": "function", "function": {"name": "add"}}]
+        r = c.chat.completions.create(model="m", messages=MESSAGES[1:], tools=tools)
+        assert r.choices[0].message.tool_calls is None  # an unreadable call is just text
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model="m", messages=[
+                {"role": "user", "content": "x" * (17 << 20)}])
+        assert e.value.status_code == 413
+    finally:
+        server.close()
+        service.driver.close()
+
+
+def test_rollwise_serve_serves_a_model_folder_and_refuses_an_open_bind_without_a_key(chat_dir):
+    import socket
+    import subprocess
+    import sys
+    refused = subprocess.run([sys.executable, "-m", "rollwise", "serve", "--model", "/nowhere",
+                              "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--api-key" in refused.stderr  # before any model loads
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "rollwise", "serve", "--model", str(chat_dir),
+                             "--port", str(port), "--name", "chat"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "serving 'chat'" in proc.stdout.readline()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=5,
+                          timeout=60)
+        t0 = time.monotonic()
+        while True:  # the line comes just before uvicorn listens
+            try:
+                r = c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=8)
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() - t0 < 60
+                time.sleep(0.2)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens
+    finally:
+        proc.terminate()
+        proc.wait(30)
