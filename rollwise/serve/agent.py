@@ -27,11 +27,13 @@ import importlib
 import threading
 import time
 import traceback
+import zlib
 from dataclasses import dataclass, field
 
 from rollwise import registry
 from rollwise.agents.transcripts import episode_examples
 from rollwise.engine import SamplingParams
+from rollwise.evaluate import EVAL_SEED
 from rollwise.serve.app import build_app
 from rollwise.serve.chat import Piece
 from rollwise.serve.driver import EngineDriver
@@ -43,6 +45,7 @@ from rollwise.stages.ledger import Ledger
 from rollwise.types import Group, Problem, Sample, Status
 
 MODEL_NAME = "policy"  # what the agent's calls name as the model (also client.model)
+EPISODE_STRIDE = 1_000_000  # seeds between two episodes of a round (1,000 calls each)
 
 
 @dataclass
@@ -78,8 +81,9 @@ class AgentGenerator(Generator):
     # --- the Generator interface --------------------------------------------------------------
     def generate(self, rollout, problems: list[Problem], step: int) -> None:
         policy = Policy(rollout.params.temperature, rollout.params.top_p, rollout.params.top_k)
+        seed = zlib.crc32(f"{self.cfg.run.seed}:{step}".encode()) << 24  # this step's own
         episodes = self.play(rollout.engine, rollout.params, problems, policy, rollout.gate,
-                             rollout.ledger)
+                             rollout.ledger, seed=seed)
         by_problem: dict[str, Group] = {}
         for ep, pieces in episodes:
             g = by_problem.setdefault(ep.problem.id, Group(ep.problem.id, [], ep.problem))
@@ -98,8 +102,9 @@ class AgentGenerator(Generator):
         ledger = Ledger()
         engine.reset_prefix_cache()  # its numbers never depend on an earlier round's K/V
         wins = []
+        seed = EVAL_SEED if cfg.run.eval_temperature > 0 else None  # the same each time
         for ep, _ in self.play(engine, params, prompter.render(list(problems)), policy, None,
-                               ledger, per_problem=1):
+                               ledger, per_problem=1, seed=seed):
             wins.append(self._solved(ep, scorer))
         return {"eval/pass1": sum(wins) / max(len(wins), 1)}
 
@@ -120,12 +125,18 @@ class AgentGenerator(Generator):
 
     # --- episodes -----------------------------------------------------------------------------
     def play(self, engine, params, problems, policy: Policy, gate, ledger,
-             per_problem: int | None = None) -> list[tuple[AgentEpisode, list[Piece]]]:
-        """Every episode of the round to its end (or its timeout): (episode, its pieces)."""
+             per_problem: int | None = None, seed: int | None = None
+             ) -> list[tuple[AgentEpisode, list[Piece]]]:
+        """Every episode of the round to its end (or its timeout): (episode, its pieces).
+        seed: the i-th episode's calls sample from seed + i x EPISODE_STRIDE on (where the
+        agent gives no seed), so what they sample does not depend on when the calls came."""
         service = self._serve(params)
         service.driver = EngineDriver(engine, gate)
-        todo = [AgentEpisode(p, service.open_episode(policy)) for p in problems
-                for _ in range(per_problem or p.group_size or self.group_size)]
+        todo = []
+        for p in problems:
+            for _ in range(per_problem or p.group_size or self.group_size):
+                own = None if seed is None else seed + EPISODE_STRIDE * len(todo)
+                todo.append(AgentEpisode(p, service.open_episode(policy, own)))
         ledger.decide("agent", "episode", "start", len(todo))
         try:
             self._run_all(todo, ledger)

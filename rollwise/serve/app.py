@@ -109,14 +109,17 @@ def _budget(service: Service, prompt_len: int, asked: int | None) -> int:
     return asked or min(room, service.default_max_tokens)
 
 
-def _params(req, max_new: int, top_logprobs: int, policy: Policy | None) -> list[SamplingParams]:
+def _params(req, max_new: int, top_logprobs: int, policy: Policy | None,
+            seed: int | None = None) -> list[SamplingParams]:
+    """Each choice's sampling: the client's settings, the round's policy over them inside an
+    episode, and seed + the choice's index (seed: the client's, or the episode's own)."""
     temperature = policy.temperature if policy and policy.temperature is not None \
         else req.temperature
     top_p = policy.top_p if policy and policy.top_p is not None else req.top_p
     return [SamplingParams(temperature=temperature, top_p=top_p,
                            top_k=policy.top_k if policy else 0, max_new_tokens=max_new,
                            stop_ids=(), top_logprobs=top_logprobs,
-                           seed=None if req.seed is None else req.seed + i,
+                           seed=None if seed is None else seed + i,
                            event_every=1 if req.stop else 0) for i in range(req.n)]
 
 
@@ -135,11 +138,10 @@ def _chat(service: Service):
         max_new = _budget(service, len(at.prompt_ids),
                           req.max_completion_tokens or req.max_tokens)
         k = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _params(req, max_new, k, ep.policy if ep else None)
+        seed = ep.next_seed(req.seed) if ep else req.seed
+        params = _params(req, max_new, k, ep.policy if ep else None, seed)
         rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         service.requests += 1
-        if ep is not None:
-            ep.calls += 1
         head = {"id": rid, "created": created, "model": service.model_name}
 
         def message(c: Choice) -> tuple[dict, str]:
@@ -296,7 +298,7 @@ def _completions(service: Service):
                                      media_type="text/event-stream")
         out, used = [], 0
         for j, ids in enumerate(prompts):
-            params = _params(req, budgets[j], req.logprobs or 0, None)
+            params = _params(req, budgets[j], req.logprobs or 0, None, req.seed)
             for c in await run_choices(service, ids, params, req.stop):
                 used += len(c.ids)
                 out.append(_text_choice(service, req, ids, c, j * req.n + c.index))
@@ -329,8 +331,8 @@ async def _completion_stream(service, req, prompts, budgets, head):
                         "index": j * req.n + c.index, "text": c.text[c.sent:],
                         "logprobs": None, "finish_reason": None}]})
                     c.sent = len(c.text)
-            for c in await run_choices(service, ids, _params(req, budgets[j], 0, None), req.stop,
-                                on_delta):
+            params = _params(req, budgets[j], 0, None, req.seed)
+            for c in await run_choices(service, ids, params, req.stop, on_delta):
                 await put({**head, "choices": [{"index": j * req.n + c.index,
                                                 "text": c.text[c.sent:], "logprobs": None,
                                                 "finish_reason": c.finish}]})

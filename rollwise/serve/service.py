@@ -24,6 +24,9 @@ class Policy:
     top_k: int = 0
 
 
+SEED_STRIDE = 1_000  # an episode's calls' seeds are this far apart (room for n choices each)
+
+
 @dataclass
 class EpisodeCalls:
     """An agent episode's calls, as the server sees them."""
@@ -31,6 +34,15 @@ class EpisodeCalls:
     policy: Policy = field(default_factory=Policy)
     open: bool = True
     calls: int = 0
+    seed: int | None = None  # its calls' seeds, where the client gives none: seed + SEED_STRIDE
+    # x (the call's index) + (the choice's): its samples do not depend on when its calls came
+
+    def next_seed(self, client_seed: int | None) -> int | None:
+        """The seed of this episode's next call (its choices add their index to it)."""
+        self.calls += 1
+        if client_seed is not None or self.seed is None:
+            return client_seed
+        return self.seed + SEED_STRIDE * (self.calls - 1)
 
 
 class Service:
@@ -51,9 +63,10 @@ class Service:
         self.episodes: dict[str, EpisodeCalls] = {}
         self.requests = 0
 
-    def open_episode(self, policy: Policy | None = None) -> str:
+    def open_episode(self, policy: Policy | None = None, seed: int | None = None) -> str:
         token = secrets.token_urlsafe(16)
-        self.episodes[token] = EpisodeCalls(Transcript(self.renderer), policy or Policy())
+        self.episodes[token] = EpisodeCalls(Transcript(self.renderer), policy or Policy(),
+                                            seed=seed)
         return token
 
     def close_episode(self, token: str) -> EpisodeCalls:

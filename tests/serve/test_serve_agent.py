@@ -192,3 +192,27 @@ def test_the_readme_agent_calls_the_calculator_and_answers_with_its_result(monke
     (piece,) = pieces
     assert tok.decode(piece.ids, skip_special_tokens=False) == \
         "417*386=calculator(417*386)<eos>;tool: 160962;160962<eos>"
+
+
+def test_an_episodes_samples_do_not_depend_on_when_its_calls_arrive(tiny):
+    """Each episode's calls sample from its own seeds: one at a time or eight at once (their
+    calls batched in whatever order they came), the episodes are the same token for token."""
+    from rollwise.engine import BuiltinEngine
+    model, tok = tiny
+    out = []
+    for concurrency in (1, 8):
+        cfg = load_config(None, ["generate.strategy=agent",
+                                 "generate.agent=agent_plugins:two_tools",
+                                 "model.max_positions=256", "generate.max_new_tokens=12",
+                                 f"generate.agent_concurrency={concurrency}"])
+        gen = AgentGenerator(cfg, tok)
+        problems = [Problem(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+        try:
+            played = gen.play(BuiltinEngine(model, seed=concurrency), SamplingParams(
+                max_new_tokens=12, stop_ids=(tok.eos_token_id,)), problems, Policy(1.0, 1.0),
+                None, Ledger(), per_problem=2, seed=123)
+        finally:
+            gen.close()
+        out.append([[(p.ids, p.mask) for p in pieces] for _, pieces in played])
+        lps = [lp for _, pieces in played for p in pieces for lp in p.logprobs]
+    assert out[0] == out[1] and len(lps) > 0
