@@ -131,7 +131,7 @@ class AgentGenerator(Generator):
         seed: the i-th episode's calls sample from seed + i x EPISODE_STRIDE on (where the
         agent gives no seed), so what they sample does not depend on when the calls came."""
         service = self._serve(params)
-        service.driver = EngineDriver(engine, gate)
+        service.driver = EngineDriver(engine, gate, own_thread=False)  # stepped by _run_all
         todo = []
         for p in problems:
             for _ in range(per_problem or p.group_size or self.group_size):
@@ -153,8 +153,9 @@ class AgentGenerator(Generator):
         return out
 
     def _run_all(self, todo: list[AgentEpisode], ledger) -> None:
-        """At most `concurrency` episodes at once; one past its time is abandoned (its thread
-        cannot be stopped, but its episode is closed: its calls are refused)."""
+        """At most `concurrency` episodes at once, the engine stepped between looks; one past
+        its time is abandoned (its thread cannot be stopped, but its episode is closed: its
+        calls are refused)."""
         waiting, running = list(todo), []
         while waiting or running:
             while waiting and len(running) < self.concurrency:
@@ -164,7 +165,7 @@ class AgentGenerator(Generator):
                                              name="rollwise-agent")
                 ep.thread.start()
                 running.append(ep)
-            time.sleep(0.01)
+            self.service.driver.pump()  # this thread steps the engine: the run's own
             for ep in list(running):
                 if ep.done.is_set():
                     running.remove(ep)

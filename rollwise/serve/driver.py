@@ -72,15 +72,23 @@ class Stream:
 
 
 class EngineDriver:
-    def __init__(self, engine, gate=None, name: str = "rollwise-serve-engine"):
+    """own_thread: step the engine in a thread of its own (a server with nothing else to do);
+    else the thread that owns the engine steps it by calling `pump` (an agent round, from the
+    run's own thread: engines bound to the thread that built them, as vLLM's CPU attention
+    is, stay there)."""
+
+    def __init__(self, engine, gate=None, own_thread: bool = True,
+                 name: str = "rollwise-serve-engine"):
         self.engine, self.gate = engine, gate
         self._inbox: queue.Queue[Stream] = queue.Queue()
         self._live: dict[int, Stream] = {}
         self._closed = threading.Event()
         self._failure: BaseException | None = None
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = None
+        if own_thread:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, tag=None,
                on_event=None) -> Stream:
@@ -97,23 +105,37 @@ class EngineDriver:
     def busy(self) -> bool:
         return bool(self._live) or not self._inbox.empty()
 
+    def pump(self) -> None:
+        """One turn of the engine, from the calling thread: take what came (waiting up to
+        IDLE_WAIT_S when idle), then one step. An engine failure is told to every waiter and
+        raised here."""
+        try:
+            self._admit(block=not self._live)
+            if self._live:
+                self._step()
+        except BaseException as e:
+            self._failure = e
+            self._stop_all()
+            raise
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop serving: requests still running are aborted (their waiters get EngineStopped);
         returns once the engine is idle."""
         self._closed.set()
+        if self._thread is None:
+            self._stop_all()
+            return
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError(f"the serving engine's thread did not stop within {timeout_s:.0f}s")
 
-    # --- the engine's thread ------------------------------------------------------------------
+    # --- the engine's turns -------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                self._admit(block=not self._live)
-                if self._live:
-                    self._step()
-        except BaseException as e:  # the engine failed: every waiter hears it
-            self._failure = e
+                self.pump()
+        except BaseException:  # told to every waiter by pump
+            pass
         finally:
             self._stop_all()
 
