@@ -72,7 +72,6 @@ class AgentGenerator(Generator):
         self.fn = registry.resolve("agent", g.agent, "generate.agent")
         self.tokenizer, self.group_size = tokenizer, g.group_size
         self.timeout_s, self.concurrency = g.agent_timeout_s, g.agent_concurrency
-        self.max_context, self.stop_ids = None, None
         self.service: Service | None = None
         self.server: BackgroundServer | None = None
         self.http = None  # the episodes' shared connection pool (_http)
