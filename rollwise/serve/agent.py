@@ -91,9 +91,9 @@ class AgentGenerator(Generator):
             rollout.add(g)
 
     def evaluate(self, engine, prompter, problems, cfg, scorer) -> dict[str, float]:
-        """pass@1 of one episode per held-out problem, sampled as run.eval_temperature says
-        (greedy by default): a reward counts when it is 1 or more, a final answer as
-        `scorer` scores it."""
+        """pass@1 over run.eval_samples episodes per held-out problem, sampled as
+        run.eval_temperature says (greedy by default): a reward counts when it is 1 or more,
+        a final answer as `scorer` scores it."""
         policy = Policy(cfg.run.eval_temperature, 1.0)
         params = SamplingParams(temperature=cfg.run.eval_temperature,
                                 max_new_tokens=cfg.generate.max_new_tokens,
@@ -103,7 +103,7 @@ class AgentGenerator(Generator):
         wins = []
         seed = EVAL_SEED if cfg.run.eval_temperature > 0 else None  # the same each time
         for ep, _ in self.play(engine, params, prompter.render(list(problems)), policy, None,
-                               ledger, per_problem=1, seed=seed):
+                               ledger, per_problem=cfg.run.eval_samples, seed=seed):
             wins.append(self._solved(ep, scorer))
         return {"eval/pass1": sum(wins) / max(len(wins), 1)}
 

@@ -216,3 +216,4 @@ def test_an_episodes_samples_do_not_depend_on_when_its_calls_arrive(tiny):
         out.append([[(p.ids, p.mask) for p in pieces] for _, pieces in played])
         lps = [lp for _, pieces in played for p in pieces for lp in p.logprobs]
     assert out[0] == out[1] and len(lps) > 0
+
