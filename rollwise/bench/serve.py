@@ -46,8 +46,8 @@ def two_turns(problem, client):
     messages = list(problem.prompt)
     for turn in range(2):
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model=client.model, messages=messages,
-                                           max_tokens=TURN_TOKENS)
+        # max_tokens left out: the server's default, generate.max_new_tokens (--tokens)
+        r = client.chat.completions.create(model=client.model, messages=messages)
         LATENCIES.append(time.perf_counter() - t0)
         if r.choices[0].finish_reason == "length":
             break  # as the episode generator ends an episode whose turn ran out of tokens
@@ -81,10 +81,10 @@ def problems(tok, n: int) -> list[Problem]:
     return out
 
 
-def config(model: str | None, n: int):
+def config(model: str | None, n: int, tokens: int):
     model_keys = [f"model.path={model}"] if model else ["model.max_positions=256"]
     return load_config(None, [*model_keys, "generate.group_size=1",
-                              f"generate.max_new_tokens={TURN_TOKENS}", "generate.max_turns=2",
+                              f"generate.max_new_tokens={tokens}", "generate.max_turns=2",
                               "generate.strategy=agent",
                               "generate.agent=rollwise.bench.serve:two_turns",
                               "generate.env=rollwise.bench.serve:GoOnOnce",
@@ -100,11 +100,11 @@ def engine(cfg, model) -> BuiltinEngine:
 def endpoint_round(cfg, model, tok, qs) -> dict:
     LATENCIES.clear()
     gen = AgentGenerator(cfg, tok)
-    params = SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS,
+    params = SamplingParams(temperature=1.0, max_new_tokens=cfg.generate.max_new_tokens,
                             stop_ids=stop_ids(tok, model.config))
     ledger = Ledger()
     try:
-        gen._serve(params)  # the server starts before the clock, as in a run's later rounds
+        gen.serve(params)  # the server starts before the clock, as in a run's later rounds
         t0 = time.perf_counter()
         played = gen.play(engine(cfg, model), params, qs, Policy(1.0, 1.0), None, ledger,
                           per_problem=1)
@@ -124,7 +124,7 @@ def endpoint_round(cfg, model, tok, qs) -> dict:
 
 def generator_round(cfg, model, tok, qs) -> dict:
     gen = EpisodeGenerator(cfg, tok)
-    params = SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS,
+    params = SamplingParams(temperature=1.0, max_new_tokens=cfg.generate.max_new_tokens,
                             stop_ids=stop_ids(tok, model.config))
     t0 = time.perf_counter()
     rollout = Rollout(engine(cfg, model), RunToEnd(), Ledger(), params)
@@ -148,18 +148,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    globals()["TURN_TOKENS"] = args.tokens
     import torch
     torch.set_num_threads(args.threads)
     if args.model:
         model, tok = models.load_model(args.model)
     else:
-        cfg = config(None, 1)
+        cfg = config(None, 1, args.tokens)
         tok = models.char_tokenizer()
         model = models.tiny_model(cfg.model, len(tok), tok.pad_token_id, tok.eos_token_id)
     rows = []
     for n in args.agents:
-        cfg, qs = config(args.model, n), problems(tok, n)
+        cfg, qs = config(args.model, n, args.tokens), problems(tok, n)
         runs = {"endpoint": [], "generator": []}
         for _ in range(args.repeats):
             runs["endpoint"].append(endpoint_round(cfg, model, tok, qs))

@@ -86,7 +86,7 @@ class AgentGenerator(Generator):
         by_problem: dict[str, Group] = {}
         for ep, pieces in episodes:
             g = by_problem.setdefault(ep.problem.id, Group(ep.problem.id, [], ep.problem))
-            g.samples += self._samples(ep, pieces, step, rollout.ledger)
+            g.samples += episode_samples(ep, pieces, step)
         for g in by_problem.values():
             rollout.add(g)
 
@@ -104,7 +104,7 @@ class AgentGenerator(Generator):
         seed = EVAL_SEED if cfg.run.eval_temperature > 0 else None  # the same each time
         for ep, _ in self.play(engine, params, prompter.render(list(problems)), policy, None,
                                ledger, per_problem=cfg.run.eval_samples, seed=seed):
-            wins.append(self._solved(ep, scorer))
+            wins.append(solved(ep, scorer))
         return {"eval/pass1": sum(wins) / max(len(wins), 1)}
 
     def warm_start_examples(self, cfg, task, tokenizer) -> list[tuple]:
@@ -129,7 +129,7 @@ class AgentGenerator(Generator):
         """Every episode of the round to its end (or its timeout): (episode, its pieces).
         seed: the i-th episode's calls sample from seed + i x EPISODE_STRIDE on (where the
         agent gives no seed), so what they sample does not depend on when the calls came."""
-        service = self._serve(params)
+        service = self.serve(params)
         service.driver = EngineDriver(engine, gate, own_thread=False)  # stepped by _run_all
         todo = []
         for p in problems:
@@ -206,7 +206,9 @@ class AgentGenerator(Generator):
                 limits=lib.Limits(max_connections=room, max_keepalive_connections=room))
         return self.http
 
-    def _serve(self, params) -> Service:
+    def serve(self, params) -> Service:
+        """The endpoints for this strategy's episodes, started on first use (`params`: the
+        round's, whose stop ids end every turn) and kept across rounds."""
         if self.service is None:
             cfg = self.cfg
             self.service = Service(self.tokenizer, MODEL_NAME, _context(cfg), params.stop_ids,
@@ -215,41 +217,46 @@ class AgentGenerator(Generator):
             self.server = BackgroundServer(build_app(self.service))
         return self.service
 
-    # --- samples ------------------------------------------------------------------------------
-    def _samples(self, ep: AgentEpisode, pieces: list[Piece], step: int, ledger
-                 ) -> list[Sample]:
-        if not pieces:
-            s = new_sample(ep.problem, ep.problem.prompt_ids, step)
-            s.status = Status.FAILED
-            s.meta["env_error"] = ep.error or "the agent made no call to the model"
-            return [s]
-        out = []
-        for i, piece in enumerate(pieces):
-            s = new_sample(ep.problem, piece.prompt_ids, step)
-            _fill(s, piece)
-            s.status = Status.COMPLETED
-            s.meta.update(agent_calls=piece.calls, turns=piece.calls)
-            if i < len(pieces) - 1:
-                s.meta["split"] = True  # an earlier piece: the episode went on in another
-            if ep.error:
-                s.status = Status.FAILED
-                s.meta["env_error"] = ep.error
-            elif isinstance(ep.result, str):
-                s.meta["final_answer"] = ep.result
-            else:
-                s.meta["env_reward"] = float(ep.result)
-            out.append(s)
-        return out
 
-    def _solved(self, ep: AgentEpisode, scorer) -> bool:
+def episode_samples(ep: AgentEpisode, pieces: list[Piece], step: int) -> list[Sample]:
+    """An episode's samples: a piece each, credited with the episode's reward or final
+    answer; all failed with the reason where the agent failed, one empty failed sample where
+    it made no call."""
+    if not pieces:
+        s = new_sample(ep.problem, ep.problem.prompt_ids, step)
+        s.status = Status.FAILED
+        s.meta["env_error"] = ep.error or "the agent made no call to the model"
+        return [s]
+    out = []
+    for i, piece in enumerate(pieces):
+        s = new_sample(ep.problem, piece.prompt_ids, step)
+        _fill(s, piece)
+        s.status = Status.COMPLETED
+        s.meta.update(agent_calls=piece.calls, turns=piece.calls)
+        if i < len(pieces) - 1:
+            s.meta["split"] = True  # an earlier piece: the episode went on in another
         if ep.error:
+            s.status = Status.FAILED
+            s.meta["env_error"] = ep.error
+        elif isinstance(ep.result, str):
+            s.meta["final_answer"] = ep.result
+        else:
+            s.meta["env_reward"] = float(ep.result)
+        out.append(s)
+    return out
+
+
+def solved(ep: AgentEpisode, scorer) -> bool:
+    """An evaluation episode's success: a reward of 1 or more, or a final answer `scorer`
+    scores 1 or more (a scorer that raises counts as wrong)."""
+    if ep.error:
+        return False
+    if isinstance(ep.result, str):
+        try:
+            return scorer(ep.result, ep.problem)[0] >= 1.0
+        except Exception:
             return False
-        if isinstance(ep.result, str):
-            try:
-                return scorer(ep.result, ep.problem)[0] >= 1.0
-            except Exception:
-                return False
-        return float(ep.result) >= 1.0
+    return float(ep.result) >= 1.0
 
 
 def _fill(s: Sample, piece: Piece) -> None:

@@ -109,7 +109,7 @@ def _budget(service: Service, prompt_len: int, asked: int | None) -> int:
     return asked or min(room, service.default_max_tokens)
 
 
-def _params(req, max_new: int, top_logprobs: int, policy: Policy | None,
+def _params(service: Service, req, max_new: int, top_logprobs: int, policy: Policy | None,
             seed: int | None = None) -> list[SamplingParams]:
     """Each choice's sampling: the client's settings, the round's policy over them inside an
     episode, and seed + the choice's index (seed: the client's, or the episode's own)."""
@@ -118,7 +118,7 @@ def _params(req, max_new: int, top_logprobs: int, policy: Policy | None,
     top_p = policy.top_p if policy and policy.top_p is not None else req.top_p
     return [SamplingParams(temperature=temperature, top_p=top_p,
                            top_k=policy.top_k if policy else 0, max_new_tokens=max_new,
-                           stop_ids=(), top_logprobs=top_logprobs,
+                           stop_ids=service.stop_ids, top_logprobs=top_logprobs,
                            seed=None if seed is None else seed + i,
                            event_every=1 if req.stop else 0) for i in range(req.n)]
 
@@ -139,9 +139,8 @@ def _chat(service: Service):
                           req.max_completion_tokens or req.max_tokens)
         k = (req.top_logprobs or 0) if req.logprobs else 0
         seed = ep.next_seed(req.seed) if ep else req.seed
-        params = _params(req, max_new, k, ep.policy if ep else None, seed)
+        params = _params(service, req, max_new, k, ep.policy if ep else None, seed)
         rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        service.requests += 1
         head = {"id": rid, "created": created, "model": service.model_name}
 
         def message(c: Choice) -> tuple[dict, str]:
@@ -181,7 +180,7 @@ def _assistant(service: Service, c: Choice, req: ChatRequest, tools) -> tuple[di
         calls = [t for t in parsed if t.error is None and t.name and
                  (wanted is None or t.name == wanted)]
     content = c.text
-    if calls and service.renders_tool_calls:
+    if calls and service.renderer.renders_tool_calls:
         content = _without_calls(c.text).strip() or None
     msg = {"role": "assistant", "content": content}
     if calls:
@@ -289,7 +288,6 @@ def _completions(service: Service):
             if not ids or any(not 0 <= t < len(service.tokenizer) for t in ids):
                 raise ApiError(400, "a prompt is empty or holds token ids outside the "
                                "vocabulary", "invalid_prompt", "prompt")
-        service.requests += 1
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time()),
                 "model": service.model_name, "object": "text_completion"}
         budgets = [_budget(service, len(ids), req.max_tokens) for ids in prompts]
@@ -298,7 +296,7 @@ def _completions(service: Service):
                                      media_type="text/event-stream")
         out, used = [], 0
         for j, ids in enumerate(prompts):
-            params = _params(req, budgets[j], req.logprobs or 0, None, req.seed)
+            params = _params(service, req, budgets[j], req.logprobs or 0, None, req.seed)
             for c in await run_choices(service, ids, params, req.stop):
                 used += len(c.ids)
                 out.append(_text_choice(service, req, ids, c, j * req.n + c.index))
@@ -331,7 +329,7 @@ async def _completion_stream(service, req, prompts, budgets, head):
                         "index": j * req.n + c.index, "text": c.text[c.sent:],
                         "logprobs": None, "finish_reason": None}]})
                     c.sent = len(c.text)
-            params = _params(req, budgets[j], 0, None, req.seed)
+            params = _params(service, req, budgets[j], 0, None, req.seed)
             for c in await run_choices(service, ids, params, req.stop, on_delta):
                 await put({**head, "choices": [{"index": j * req.n + c.index,
                                                 "text": c.text[c.sent:], "logprobs": None,

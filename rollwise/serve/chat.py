@@ -27,6 +27,8 @@ class Renderer:
         self.tokenizer = tokenizer
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.tool_format = detect(tokenizer.chat_template) if self.chat else "plain"
+        # a template that writes tool calls itself wants only the text around them back
+        self.renders_tool_calls = self.chat and "tool_calls" in tokenizer.chat_template
 
     def text(self, messages: list[dict], generation_prompt: bool, tools=None) -> str:
         if self.chat:

@@ -4,9 +4,8 @@ request's events are handed back to whoever waits on it. The engine itself is ne
 from two threads.
 
     driver = EngineDriver(engine, gate=rollout.gate)
-    stream = driver.submit(prompt_ids, params)   # thread-safe
-    for ev in stream.events(timeout_s=60): ...   # the engine's events for this request
-    driver.close()
+    stream = driver.submit(prompt_ids, params, on_event=handle)   # thread-safe
+    driver.close()          # handle(event) is called from the engine's thread, for each event
 
 `gate`: the asynchronous loop's WeightGate, held for each engine step and its events, as the
 rollout driver does, so a weight push lands between steps and every token carries the version
@@ -35,36 +34,14 @@ class EngineStopped(RuntimeError):
 class Stream:
     """One request's events, as the driver hands them over."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tag, on_event=None):
-        """on_event: called from the engine's thread with each event (or the exception that
-        ended the request) instead of queueing it for `events` (an asyncio handler passes
-        loop.call_soon_threadsafe here)."""
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tag, on_event):
+        """on_event: called from the engine's thread with each event, or with the exception
+        that ended the request (an asyncio handler passes loop.call_soon_threadsafe here)."""
         self.prompt_ids, self.params, self.tag = prompt_ids, params, tag
-        self.on_event = on_event
+        self.put = on_event
         self.seq_id: int | None = None
         self.sent = 0  # tokens handed over so far
-        self._events: queue.Queue = queue.Queue()
         self.cancelled = False
-
-    def events(self, timeout_s: float):
-        """This request's events up to its last; each wait is bounded by timeout_s."""
-        while True:
-            try:
-                item = self._events.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(f"the engine sent nothing for {timeout_s:.0f}s "
-                                   "(serve.request_timeout_s)") from None
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
-
-    def put(self, item) -> None:
-        if self.on_event is not None:
-            self.on_event(item)
-        else:
-            self._events.put(item)
 
     def cancel(self) -> None:
         """The caller is gone (a closed stream, a stop string met): abort it at the next step."""
@@ -90,8 +67,8 @@ class EngineDriver:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, tag=None,
-               on_event=None) -> Stream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event,
+               tag=None) -> Stream:
         if self._failure is not None:
             raise EngineStopped(f"the engine failed: {self._failure}")
         if self._closed.is_set():

@@ -57,11 +57,8 @@ class Service:
         self.stop_ids = tuple(stop_ids)
         self.api_key, self.timeout_s = api_key, request_timeout_s
         self.default_max_tokens = default_max_tokens
-        self.renders_tool_calls = "tool_calls" in (getattr(tokenizer, "chat_template", None)
-                                                   or "")
         self.driver = None
         self.episodes: dict[str, EpisodeCalls] = {}
-        self.requests = 0
 
     def open_episode(self, policy: Policy | None = None, seed: int | None = None) -> str:
         token = secrets.token_urlsafe(16)
@@ -91,17 +88,15 @@ class Choice:
 
 
 async def run_choices(service: Service, prompt_ids: list[int], params: list[SamplingParams],
-               stops: list[str], on_delta=None) -> list[Choice]:
+                      stops: list[str], on_delta=None) -> list[Choice]:
     """The engine's answers to one request (a choice per params), each choice's text cut at
     its first stop string; on_delta(choice) after each event with new text."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    stop_ids = service.stop_ids
     choices = [Choice(i, stops) for i in range(len(params))]
     streams = []
     try:
         for i, p in enumerate(params):
-            p = SamplingParams(**{**p.__dict__, "stop_ids": stop_ids})
             streams.append(service.driver.submit(
                 prompt_ids, p, tag=i,
                 on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))))

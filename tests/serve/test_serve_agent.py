@@ -14,7 +14,7 @@ from rollwise.config import load_config
 from rollwise.engine import SamplingParams
 from rollwise.loop.run import train
 from rollwise.models import char_tokenizer
-from rollwise.serve.agent import AgentGenerator
+from rollwise.serve.agent import AgentGenerator, episode_samples
 from rollwise.serve.chat import Renderer
 from rollwise.serve.service import Policy
 from rollwise.stages.ledger import Ledger
@@ -102,7 +102,7 @@ def test_a_history_rewrite_starts_a_new_sample_and_is_counted():
     played, ledger, _ = play(tok, agent_plugins.rewrites_history, lambda p: "15<eos>", n=1)
     ((ep, pieces),) = played
     assert len(pieces) == 2 and ledger.decisions["agent/split/rewrite"] == 1
-    samples = AgentGenerator._samples(None, ep, pieces, 1, ledger)
+    samples = episode_samples(ep, pieces, 1)
     assert [s.meta.get("split", False) for s in samples] == [True, False]
     assert all(s.meta["env_reward"] == 0.5 for s in samples)  # every piece gets the reward
 
@@ -114,7 +114,7 @@ def test_an_agent_that_raises_or_hangs_fails_its_own_episode(agent, why):
     played, ledger, gen = play(tok, agent, lambda p: "2<eos>",
                                extra=["generate.agent_timeout_s=2"], n=2)
     for ep, pieces in played:
-        samples = gen._samples(ep, pieces, 1, ledger)
+        samples = episode_samples(ep, pieces, 1)
         assert samples and all(s.status == Status.FAILED and why in s.meta["env_error"]
                                for s in samples)
     end = "error" if agent is agent_plugins.raises else "timeout"
