@@ -437,12 +437,9 @@ class WorkerPool(Engine):
         """A generation call's result; a worker that died or did not answer is replaced."""
         try:
             out, tokens, version = self._get(ref, key, "answer a call")
-        except TimeoutError:
+        except (TimeoutError, _WorkerLost):
             self._lost(key)
             raise _WorkerLost(key) from None
-        except _WorkerLost:
-            self._lost(key)
-            raise
         self._tokens[key] = tokens
         self.tokens_generated = self._dead_tokens + sum(self._tokens.values())
         return out
