@@ -4,6 +4,7 @@
     rollwise train --resume RUN [section.key=value ...]
     rollwise rollouts RUN [--step A:B] [--status S] [--export FILE|DIR]
     rollwise models get NAME | models list
+    rollwise export RUN/model --merge [--out DIR]
     rollwise serve --model DIR [--host H --port P --api-key KEY]
     rollwise sft | eval | generate | config show|defaults | bench NAME
     rollwise report RUN [RUN ...] [--out FILE]
@@ -163,6 +164,28 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from rollwise import models
+    src = Path(args.model)
+    if (src / "model").is_dir():  # a run directory: its final model
+        src = src / "model"
+    if not src.is_dir():
+        raise ConfigError(f"{args.model}: no such model folder or run directory")
+    if not models.is_adapter(src):
+        raise ConfigError(f"{src} holds a full model, not a LoRA adapter: nothing to merge")
+    if not args.merge:
+        raise ConfigError("rollwise export: say --merge (the adapter folder is already the "
+                          "unmerged export)")
+    try:
+        model = models.merged_adapter(src, args.dtype, base=args.base)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    out = Path(args.out or f"{src}-merged")
+    models.save(model, models.load_tokenizer(src), out)
+    print(f"wrote the merged model ({models.num_params(model) / 1e6:.1f}M parameters) to {out}")
+    return 0
+
+
 def cmd_models(args) -> int:
     from rollwise.models import fetch
     if args.action == "list":
@@ -256,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens when a request gives no max_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("export", help="a LoRA adapter merged into its base model, saved as a "
+                                      "plain Hugging Face folder")
+    p.add_argument("model", help="the adapter folder or its run, e.g. runs/lora/model")
+    p.add_argument("--merge", action="store_true", help="merge the adapter into the base")
+    p.add_argument("--out", help="output folder (default: <adapter folder>-merged)")
+    p.add_argument("--base", help="the base model, where the adapter does not record it")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("models", help="'models get NAME': fetch and convert a pretrained "
                                       "model with no hub; 'models list': the catalog")
     p.add_argument("action", choices=["get", "list"])

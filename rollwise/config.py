@@ -604,6 +604,22 @@ class CorrectionConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA rank: > 0 trains low-rank adapters (peft) instead of the weights; only they are
+    optimized, checkpointed and sent to the engine. 0: full fine-tuning."""
+    alpha: float | None = Field(None, gt=0)
+    """The adapters' scale is alpha / rank; None: 2 x rank (a scale of 2)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input. Above 0 the trainer's log-probabilities are random
+    (the old-policy pass too), so the PPO ratio carries that noise; 0 keeps it exact."""
+    targets: list[str] | Literal["all-linear"] | None = "all-linear"
+    """Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; 'all-linear':
+    every linear layer but the output head (the MLP's as well as attention's: the MLP holds
+    most of each layer's weights); None: peft's default for the architecture (q_proj and
+    v_proj for Llama and Qwen2)."""
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
     world_size: int = Field(1, ge=1)
@@ -708,7 +724,17 @@ class TrainConfig(Section):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL estimate to the initial policy; 0 keeps no reference model."""
+    """Weight of the KL estimate to the initial policy; 0 keeps no reference model. With
+    LoRA the reference is the model with its adapters disabled: no second copy."""
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _lora_unsharded(self):
+        if self.lora.rank and self.world_size > 1:
+            raise ValueError("train.lora with train.world_size > 1: FSDP2 sharding of a peft "
+                             "model is not supported; LoRA's trainable state is small, so use "
+                             "train.world_size=1 (or train.lora.rank=0 to shard full training)")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -53,7 +53,10 @@ def store_rows(run_dir: Path) -> list[dict]:
 
 
 def weights(run_dir: Path) -> dict:
-    return load_file(run_dir / "model" / "model.safetensors")
+    """The final model's tensors (a LoRA run's: its adapter's)."""
+    folder = run_dir / "model"
+    adapter = folder / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else folder / "model.safetensors")
 
 
 def compare(ref: Path, run: Path) -> list[str]:

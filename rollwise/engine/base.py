@@ -10,7 +10,8 @@ knows nothing about text.
   nothing to release, no metrics, no state), so the loop calls them on any engine.
 - `SequenceControl`: what an in-flight controller or a tree does between events.
 - `Weights`: where weight sync writes (full or sparse payloads, in place) and how a new version
-  takes effect; `load_weights` is the one-call form of the same.
+  takes effect; `load_weights` is the one-call form of the same. After `use_adapters` (LoRA)
+  those tensors are the adapters, merged into the weights when a sync ends.
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ class Engine(abc.ABC):
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def use_adapters(self, spec) -> None:
+        """From now on weight sync sends LoRA adapters (an AdapterSpec,
+        rollwise/engine/adapters.py) for the engine to apply to the weights it holds now."""
+        raise NotImplementedError(f"train.lora: {type(self).__name__} cannot apply LoRA "
+                                  f"adapters (no use_adapters); use engine.backend=builtin or "
+                                  f"vllm, or train.lora.rank=0")
 
     def sync_transport(self) -> Transport:
         """How the weight sync reaches this engine (rollwise.sync.transport): in this

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from rollwise.engine.adapters import AdapterSpec, MergedAdapters
 from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
 from rollwise.engine.runner import Runner
 from rollwise.engine.sampling import SamplingParams, SeedStream, sample
@@ -71,6 +72,7 @@ class BuiltinEngine(Engine):
         self._last_logp: torch.Tensor | None = None  # the latest step's sampled distributions
         self._last_seqs: list[Sequence] = []  # the sequences of _last_logp's rows
         self._ready: list[Event] = []  # events of forks that ended at birth
+        self.adapters: MergedAdapters | None = None  # LoRA: what weight sync writes
 
     @property
     def prefix_tokens_saved(self) -> int:
@@ -298,13 +300,23 @@ class BuiltinEngine(Engine):
         self.scheduler.resume(seq_id)
 
     # ---- weights ------------------------------------------------------------------------------
+    def use_adapters(self, spec: AdapterSpec) -> None:
+        """From now on weight sync writes LoRA adapters (rollwise/engine/adapters.py), merged
+        into the model's weights as each sync ends; the current weights are the base."""
+        self.adapters = MergedAdapters(spec, self.model.state_dict())
+
     def weight_tensors(self) -> dict[str, torch.Tensor]:
-        """The live model's tensors (tied weights under each name, one storage)."""
+        """The live model's tensors (tied weights under each name, one storage), or the
+        adapters once use_adapters was called."""
+        if self.adapters is not None:
+            return self.adapters.tensors
         return self.model.state_dict()
 
     def weights_written(self, version: int) -> None:
-        """Generation reads the model's tensors directly: the version changes, and prefixes
-        kept under the old weights are dropped."""
+        """Generation reads the model's tensors directly (adapters are merged into them
+        first): the version changes, and prefixes kept under the old weights are dropped."""
+        if self.adapters is not None:
+            self.adapters.merge()
         self.version = version
         self.reset_prefix_cache()
 
@@ -313,7 +325,7 @@ class BuiltinEngine(Engine):
         """Write new weights in place: a tensor replaces the named tensor, a SparseUpdate (or an
         (indices, values) pair) replaces the values at those flat indices. Names not given keep
         their values. Tokens sampled after this carry `version`."""
-        own = self.model.state_dict()  # tied weights appear under each name; writes are shared
+        own = self.weight_tensors()  # tied weights appear under each name; writes are shared
         unknown = [k for k in weights if k not in own]
         if unknown:
             raise KeyError(f"load_weights: tensors not in the engine's model: {unknown[:5]}")

@@ -97,6 +97,9 @@ class EngineProcess(Engine):
     def reset_prefix_cache(self) -> None:
         self.call("reset_prefix_cache")
 
+    def use_adapters(self, spec) -> None:
+        self.call("use_adapters", spec)
+
     def sync_transport(self) -> ProcessTransport:
         return ProcessTransport(self)
 

@@ -147,6 +147,8 @@ class WorkerPool(Engine):
         self._tokens: dict[int, int] = {}  # per live worker
         self._dead_tokens = 0
         self.chain: list = []  # object refs of the payloads since the last full one
+        self.base_chain: list = []  # LoRA: the base weights' payloads, under every adapter one
+        self.adapters = None  # LoRA: the AdapterSpec the workers apply
         self.max_chain = MAX_CHAIN
         self.counts = {"worker_deaths": 0, "requeued": 0, "joined": 0, "left": 0}
         self.buffer = GrowingBuffer()
@@ -177,6 +179,10 @@ class WorkerPool(Engine):
         self._tokens[key] = 0
         # starting a process that imports torch takes longer than a call: its own allowance
         self._get(actor.pid.remote(), key, "start", max(self.timeout, STARTUP_S))
+        for ref in self.base_chain:  # LoRA: the base weights, then the adapters on them
+            self._get(actor.apply.remote(*ref), key, "apply the base weights")
+        if self.adapters is not None:
+            self._get(actor.call.remote("use_adapters", self.adapters), key, "take adapters")
         for ref in self.chain:  # replay: full payload, then each sparse one
             self._get(actor.apply.remote(*ref), key, "apply the weights")
         self.workers[key] = actor  # only now: a replay never meets a half-joined worker
@@ -305,6 +311,18 @@ class WorkerPool(Engine):
     # ---- weight sync (rollwise.sync.weight_sync uses this transport) -----------------------
     def sync_transport(self) -> "PoolTransport":
         return PoolTransport(self)
+
+    def use_adapters(self, spec) -> None:
+        """LoRA: every worker applies adapters from now on (rollwise/engine/adapters.py); the
+        weights sent so far are their base, replayed first to a worker that joins later."""
+        self.base_chain, self.chain, self.adapters = self.chain, [], spec
+        for key in list(self.workers):  # one that replaces a lost worker joins with them
+            if key not in self.workers:
+                continue
+            try:
+                self._call(key, "use_adapters", spec)
+            except _WorkerLost:
+                continue
 
     def sync_state(self):
         state = self.ask_any(lambda actor: actor.sync_state.remote(), "report its weights")

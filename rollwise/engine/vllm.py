@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from rollwise.engine.adapters import MergedAdapters
 from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
 from rollwise.engine.builtin import _scatter, completion_of
 from rollwise.engine.sampling import SamplingParams, derived_seed
@@ -78,6 +79,7 @@ class VLLMEngine(Engine):
         self._last_dist: dict[int, dict[int, float]] = {}
         self._ready: list[Event] = []
         self._mirror: dict[str, torch.Tensor] | None = None
+        self.adapters: MergedAdapters | None = None  # LoRA: what weight sync writes
         self.sleep_level, self.sleeping = sleep_level, False
 
     # ---- requests ---------------------------------------------------------------------------
@@ -292,14 +294,22 @@ class VLLMEngine(Engine):
                 _scatter(name, mirror[key], *value)
         self.weights_written(version)
 
+    def use_adapters(self, spec) -> None:
+        """LoRA: weight sync writes the adapters, merged into the Hugging Face-layout copy
+        that is reloaded into vLLM (rollwise/engine/adapters.py; vLLM's own LoRA path is not
+        used: see docs/lora.md)."""
+        self.adapters = MergedAdapters(spec, self.hf_weights())
+
     def weights_written(self, version: int) -> None:
         """Reload the whole mirror into vLLM in place (its CPU kernels repack weights, so they
         cannot be written directly), and drop cached prefixes computed with the old weights.
         A sleeping engine wakes its weights first, so the update is never lost to a sleep."""
+        if self.adapters is not None:
+            self.adapters.merge()
         if self.sleeping:
             self.wake(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs=dict(
-            weights_iterator=list(self.weight_tensors().items()), is_checkpoint_format=True))
+            weights_iterator=list(self.hf_weights().items()), is_checkpoint_format=True))
         if self._tied:
             self.llm.apply_model(_retie_lm_head)
         if self.sleeping:
@@ -308,8 +318,15 @@ class VLLMEngine(Engine):
         self.version = version
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """Where weight sync writes before it calls weights_written: the Hugging Face-layout
+        weights (hf_weights), or the adapters once use_adapters was called."""
+        if self.adapters is not None:
+            return self.adapters.tensors
+        return self.hf_weights()
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
         """The weights in Hugging Face layout, as loaded from the model folder and updated
-        since; weight sync writes here, then calls weights_written."""
+        since."""
         if self._mirror is None:
             # safetensors: only to read a saved folder back
             from safetensors.torch import load_file

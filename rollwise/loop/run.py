@@ -50,7 +50,7 @@ from rollwise.store.rollouts import RolloutStore
 from rollwise.sync import build_sync
 from rollwise.tasks import load_task
 from rollwise.tasks.prompts import Prompter
-from rollwise.training.sft import warm_start
+from rollwise.training.sft import warm_start, warm_start_path
 from rollwise.training.sharded import ShardedTrainer
 from rollwise.training.trainer import Trainer
 from rollwise.types import Group
@@ -97,6 +97,18 @@ def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None =
         progress.log(f"initial model: {cfg.model.path}")
         return models.load_model(cfg.model.path, cfg.model.dtype)
     return warm_start(cfg, task, log=progress.log)
+
+
+def model_source(cfg: Config, task, inputs: Inputs) -> str | None:
+    """The folder the initial model is loaded from (None: given in Python): a LoRA run's
+    saved adapter records it as its base."""
+    if inputs.model is not None:
+        return None
+    path = cfg.run.init or cfg.model.path
+    if path:
+        where = models.resolve_path(path)
+        return str(Path(where).resolve()) if Path(where).is_dir() else where
+    return str(warm_start_path(cfg, task).resolve())
 
 
 def preflight(cfg: Config, inputs: Inputs):
@@ -162,9 +174,16 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(dump_config(cfg))
         model, self.tokenizer = initial_model(cfg, self.task, progress, inputs)
+        self.model_source = model_source(cfg, self.task, inputs)
         model.to(self.device)
-        self.trainer = build_trainer(cfg, model, self.tokenizer.pad_token_id)
+        # the engine first: it copies the weights as they are, and a LoRA trainer wraps the
+        # model in place (the engine keeps the base; weight sync brings it the adapters)
         self.engine = build_engine(cfg, model, self.tokenizer, self.dir)
+        try:
+            self.trainer = build_trainer(cfg, model, self.tokenizer.pad_token_id)
+        except BaseException:
+            self.engine.close()  # a child process or Ray actors would outlive the error
+            raise
         self.sync = build_sync(cfg.sync, self.trainer, self.engine)
         self.rng = random.Random(cfg.run.seed)
         self.filter = build_group_filter(cfg, self.task, self.tokenizer)
@@ -485,7 +504,11 @@ def _finished(run: Run, cfg: Config, progress: Progress, start: dict, last_eval:
               wall0: float) -> dict:
     """The final model, summary.json and report of a run that did all its steps."""
     run.close()
-    models.save(run.trainer.model, run.tokenizer, run.dir / "model")
+    models.save(run.trainer.model, run.tokenizer, run.dir / "model", base=run.model_source)
+    if run.trainer.adapters:
+        progress.log(f"the LoRA adapter is in {run.dir / 'model'} (it loads as the merged model "
+                     f"where a model folder is asked for); a full model folder: 'rollwise "
+                     f"export {run.dir / 'model'} --merge --out DIR'")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
                "eval_start": start, "eval_end": last_eval, "steps": cfg.train.steps,
                **run.totals, "wall_seconds": time.time() - wall0, "run_dir": str(run.dir)}

@@ -5,6 +5,7 @@ hub id resolved by transformers."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -58,9 +59,9 @@ def resolve_path(path: str | Path) -> str:
     that says which of them failed and what to do otherwise."""
     local = Path(path).expanduser()
     if local.is_dir():
-        if not (local / "config.json").is_file():
+        if not (local / "config.json").is_file() and not is_adapter(local):
             raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no "
-                                    "config.json)")
+                                    "config.json) nor a LoRA adapter (no adapter_config.json)")
         return str(local)
     name = str(path)
     if name in fetch.CATALOG:
@@ -80,9 +81,37 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
 
 def load_model(path: str | Path, dtype: str = "float32"):
+    """A model folder, catalog name or hub id; a LoRA adapter folder (what a run with
+    train.lora saves) loads as its base model with the adapter merged in."""
     where = resolve_path(path)
+    if is_adapter(where):
+        return merged_adapter(where, dtype), load_tokenizer(where)
     model = _from_pretrained(AutoModelForCausalLM, where, dtype=DTYPES[dtype])
     return model, load_tokenizer(where)
+
+
+def is_adapter(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model an adapter folder was trained on (recorded when it was saved)."""
+    base = json.loads((Path(path) / "adapter_config.json").read_text()).get(
+        "base_model_name_or_path")
+    if not base:
+        raise FileNotFoundError(f"{path}: the adapter does not record its base model; merge "
+                                f"it with 'rollwise export {path} --merge --base MODEL'")
+    return base
+
+
+def merged_adapter(path: str | Path, dtype: str = "float32", base: str | None = None):
+    """The base model with the adapter in `path` merged into its weights (a plain model)."""
+    from peft import PeftModel  # peft: only for adapter folders
+
+    from rollwise.training.lora import quiet_peft
+    model, _ = load_model(base or adapter_base(path), dtype)
+    with quiet_peft():
+        return PeftModel.from_pretrained(model, str(path)).merge_and_unload()
 
 
 def _from_pretrained(cls, where: str, **kwargs):
@@ -113,12 +142,16 @@ def build(cfg: ModelConfig, seed: int = 0):
     return tiny_model(cfg, len(tok), tok.pad_token_id, tok.eos_token_id), tok
 
 
-def save(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> None:
+def save(model, tokenizer, path: str | Path, state_dict: dict | None = None,
+         base: str | None = None) -> None:
     """Save as a Hugging Face folder (safetensors), atomically: write aside, then rename.
-    state_dict: other values for the model's tensors (e.g. cast to an engine's dtype)."""
+    state_dict: other values for the model's tensors (e.g. cast to an engine's dtype). A
+    peft model saves its adapter alone, recording `base` as the model it applies to."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    if base is not None and hasattr(model, "peft_config"):
+        model.peft_config["default"].base_model_name_or_path = base
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)

@@ -130,7 +130,11 @@ def check_placement(cfg: SyncConfig, engine, transport) -> None:
 def build_sync(cfg: SyncConfig, trainer, engine) -> WeightSync:
     """The weight sync `cfg` asks for between this trainer and this engine (an in-process
     engine, one in a child process, a Ray worker pool or vLLM;
-    rollwise.engine.backends.build_engine)."""
+    rollwise.engine.backends.build_engine). A LoRA trainer's engine, built on the base
+    weights, is switched to adapters here: every payload then holds the adapters alone."""
+    adapters = getattr(trainer, "adapters", None)
+    if adapters is not None:  # LoRA: the engine keeps its weights as the base; only the
+        engine.use_adapters(adapters)  # adapters travel from now on
     transport = engine.sync_transport()
     if isinstance(transport, (InProcessTransport, ProcessTransport)):  # not a Ray pool's
         check_placement(cfg, engine, transport)

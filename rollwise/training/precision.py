@@ -21,7 +21,8 @@ class MasterWeights:
 
     @classmethod
     def of(cls, model) -> "MasterWeights | None":
-        low = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+        low = {p.dtype for p in model.parameters()
+               if p.is_floating_point() and p.requires_grad} - {torch.float32}
         return cls(model) if low else None
 
     def params(self) -> list[torch.Tensor]:

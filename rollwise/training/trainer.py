@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from rollwise.config import TrainConfig
 from rollwise.training import correction as corr
+from rollwise.training import lora
 from rollwise.training.advantages import (
     AdvantageInputs,
     compute_advantages,
@@ -95,6 +96,9 @@ class Prepared:
 
 class Trainer:
     def __init__(self, model, cfg: TrainConfig, *, pad_id: int, seed: int = 0):
+        if cfg.lora.rank:
+            model = lora.wrap(model, cfg.lora, seed)
+        self.adapters = lora.adapter_spec(model) if cfg.lora.rank else None
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
@@ -111,8 +115,8 @@ class Trainer:
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg, s))
-        self.ref_model = None
-        if cfg.kl_coef > 0:
+        self.ref_model = None  # with LoRA the reference is the model with adapters disabled
+        if cfg.kl_coef > 0 and not self.adapters:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self._pack, self._pack_checked = cfg.pack_prompts, False  # off if the model disagrees
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
@@ -156,7 +160,7 @@ class Trainer:
                 continue
             if self._scratch is None:
                 self._scratch = copy.deepcopy(self.model).eval().requires_grad_(False)
-            self._scratch.load_state_dict(self._snapshots[v])
+            self._load_policy(self._scratch, self._snapshots[v])
             rows = (versions == v).any(-1).nonzero().squeeze(-1)
             sub = batch.select(rows)
             lp, _ = self.logprobs(self._scratch, sub)
@@ -168,8 +172,40 @@ class Trainer:
         return out, known
 
     def params(self) -> list[torch.Tensor]:
-        """What the optimizer steps: the fp32 master copies, or the model's parameters."""
-        return self.master.params() if self.master else list(self.model.parameters())
+        """What the optimizer steps: the fp32 master copies, or the model's trainable
+        parameters (with LoRA, the adapters)."""
+        if self.master:
+            return self.master.params()
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def has_reference(self) -> bool:
+        return self.cfg.kl_coef > 0
+
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The initial policy's log-probabilities: the kept copy, or with LoRA the model with
+        its adapters disabled (the base weights never move)."""
+        if self.adapters:
+            was_training = self.model.training
+            self.model.eval()  # no adapter dropout in the reference either
+            try:
+                with self.model.disable_adapter():
+                    return self.logprobs(self.model, batch)[0]
+            finally:
+                self.model.train(was_training)
+        return self.logprobs(self.ref_model, batch)[0]
+
+    def policy_state(self, model=None) -> dict[str, torch.Tensor]:
+        """The weights the update moves: the model's, or with LoRA its adapters."""
+        model = self.model if model is None else model
+        if self.adapters:
+            return lora.adapter_state(model)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def _load_policy(self, model, state: dict[str, torch.Tensor]) -> None:
+        if self.adapters:
+            lora.load_adapter_state(model, state)
+        else:
+            model.load_state_dict(state)
 
     def logprobs(self, model, batch: Batch, entropy_grad: bool = False):
         """token_logprobs, through shared-prompt packing where it is on and saves tokens; a
@@ -233,8 +269,7 @@ class Trainer:
         n = self.cfg.correction.snapshots
         if n <= 0:
             return
-        self._snapshots[self.version] = {k: v.detach().clone()
-                                         for k, v in self.model.state_dict().items()}
+        self._snapshots[self.version] = self.policy_state()
         for v in [v for v in self._snapshots if v <= self.version - n]:
             del self._snapshots[v]
 
@@ -323,13 +358,13 @@ class Trainer:
         batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
                                    [i for i, g in enumerate(groups) for _ in g.samples])
         rewards = self.rewards(samples)
-        kl_reward = self.ref_model is not None and cfg.kl_mode == "reward"
+        kl_reward = self.has_reference() and cfg.kl_mode == "reward"
         adv = None if kl_reward else self._advantages(groups, rewards)
         scalar = adv is not None and not adv.segments  # per-turn credit: a row's scalar may be 0
         prox, ent, first_pass = self._old_logprobs(
             batch, self._first_rows(first_mb, adv.advantages if scalar else None), m)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
-        ref = self.logprobs(self.ref_model, batch)[0] if self.ref_model else None
+        ref = self.reference_logprobs(batch) if self.has_reference() else None
         version_logp, known = self._version_logprobs(batch, prox)
         self._keep_snapshot()
         if kl_reward:  # the KL penalty on the reward, then the advantages
@@ -522,7 +557,7 @@ class Trainer:
         cfg = self.cfg
         return (cfg.skip_zero_advantage and cfg.loss in ZERO_AT_ZERO_ADVANTAGE
                 and cfg.entropy_coef == 0
-                and not (self.ref_model is not None and cfg.kl_mode == "loss"))
+                and not (self.has_reference() and cfg.kl_mode == "loss"))
 
     def _rows_with_gradient(self, prep: Prepared, idx: torch.Tensor) -> torch.Tensor:
         """The rows of idx whose loss can move the weights (see train.skip_zero_advantage).
@@ -573,17 +608,26 @@ class Trainer:
         """Nothing to release in this process (sharded ranks have their own)."""
 
     def state_dict(self) -> dict:
-        """Model, optimizer, scheduler, policy version, kept snapshots, reference model and
-        fp32 master weights: what a checkpoint keeps."""
+        """Model (with LoRA: the adapters and the base weights' fingerprint), optimizer,
+        scheduler, policy version, kept snapshots, reference model and fp32 master weights:
+        what a checkpoint keeps."""
         ref = self.ref_model
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.model.state_dict() if not self.adapters else self.policy_state(),
+                "base": lora.base_fingerprint(self.model) if self.adapters else None,
+                "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "version": self.version,
                 "snapshots": self._snapshots,
                 "ref_model": ref.state_dict() if ref is not None else None,
                 "master": self.master.state_dict() if self.master else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        if bool(self.adapters) != (state.get("base") is not None):
+            raise ValueError("the checkpoint was written with train.lora.rank "
+                             f"{'> 0' if state.get('base') is not None else '= 0'}, this run "
+                             f"has {self.cfg.lora.rank}: resume with the same train.lora")
+        if self.adapters:
+            lora.check_base(self.model, state["base"])
+        self._load_policy(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version, self._snapshots = state["version"], state["snapshots"]
@@ -593,6 +637,9 @@ class Trainer:
             self.master.load_state_dict(state["master"])
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """What weight sync sends: every tensor, or with LoRA the adapters alone."""
+        if self.adapters:
+            return lora.adapter_tensors(self.model, self.adapters)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 

@@ -167,3 +167,31 @@ def test_a_replacement_that_dies_while_starting_is_replaced_in_turn(tmp_path):
         m = step_metrics(run.step(1))
         assert killed and m["workers/worker_deaths"] == 2 and m["workers/live"] == 1
         _check_store(run, cfg, 1)
+
+
+def test_lora_workers_apply_adapters_and_one_that_joins_later_gets_base_and_adapters(tmp_path):
+    import copy
+
+    from rollwise.engine import BuiltinEngine, Request, SamplingParams
+    run, cfg = _run(tmp_path, ["loop.rollout_workers=1", "train.lora.rank=4",
+                               "train.lora.targets=all-linear", "train.lr=1e-2",
+                               "sync.check=true"])
+    with run:
+        pool = run.engine
+        for s in (1, 2):
+            run.step(s)  # sync.check: the worker's adapters are the trainer's, bit for bit
+        first = next(iter(pool.workers))
+        pool.join()  # replays the base weights, takes the adapters, replays their payloads
+        pool.leave(first)
+        params = SamplingParams(max_new_tokens=6, temperature=0.0)
+        reqs = [Request(run.tokenizer(p)["input_ids"], params, i)
+                for i, p in enumerate(["12+34=", "7-5=", "55-12="])]
+        merged = copy.deepcopy(run.trainer.model).merge_and_unload()
+        expected = BuiltinEngine(merged).generate(reqs)
+        base = BuiltinEngine(copy.deepcopy(run.trainer.model).unload()).generate(reqs)
+        got = pool.generate(reqs)
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        for g, e in zip(got, expected):
+            assert max(abs(x - y) for x, y in zip(g.logprobs, e.logprobs)) < 1e-5
+        assert [c.logprobs for c in got] != [c.logprobs for c in base]  # the adapters count
+        run.sync.compare()
