@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VLLM_VENV:-.venv-vllm}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, rollwise, ray, reasoning_gym, math_verify" 2>/dev/null; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, rollwise, ray, reasoning_gym, math_verify, peft" 2>/dev/null; then
   echo "$VENV is ready"; exit 0
 fi
 $PY -m venv "$VENV"

@@ -74,13 +74,8 @@ class MergedAdapters:
                 raise ValueError(f"{t.weight}: the engine's shape {tuple(w.shape)}, the "
                                  f"adapter's ({t.out_features}, {t.in_features})")
         self.base = {n: w.detach().clone() for n, w in self.weights.items()}
-        dtype = next(iter(self.weights.values())).dtype if self.weights else torch.float32
-        # zeros: no delta until the first payload (peft starts B at 0, so the same model)
-        self.tensors = {n: torch.zeros(s, dtype=dtype, device=self._device())
-                        for n, s in spec.shapes().items()}
-
-    def _device(self) -> torch.device:
-        return next(iter(self.weights.values())).device if self.weights else torch.device("cpu")
+        w = next(iter(self.weights.values()), torch.empty(0))
+        self.tensors = zero_adapters(spec, w.dtype, w.device)
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -89,3 +84,41 @@ class MergedAdapters:
             w = self.weights[t.weight]
             delta = (self.tensors[t.b].float() @ self.tensors[t.a].float()) * t.scale
             w.copy_(self.base[t.weight].float() + delta)
+
+
+def zero_adapters(spec: AdapterSpec, dtype: torch.dtype, device=None) -> dict[str, torch.Tensor]:
+    """The adapter tensors before the first payload: zeros, no change to the model (peft
+    starts B at 0, so the trainer's model is the base too)."""
+    return {n: torch.zeros(s, dtype=dtype, device=device) for n, s in spec.shapes().items()}
+
+
+def save_peft_adapter(spec: AdapterSpec, tensors: dict[str, torch.Tensor], folder) -> None:
+    """The adapters as a peft folder (adapter_config.json, adapter_model.safetensors), the
+    format vLLM loads a LoRA adapter from. One rank and scale for every target."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    rank, scale = uniform(spec)
+    suffixes = sorted({t.module.rsplit(".", 1)[-1] for t in spec.targets})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+              "lora_alpha": scale * rank, "target_modules": suffixes, "bias": "none",
+              "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False,
+              "modules_to_save": None}
+    out = {}
+    for t in spec.targets:
+        out[f"base_model.model.{t.module}.lora_A.weight"] = tensors[t.a].contiguous()
+        out[f"base_model.model.{t.module}.lora_B.weight"] = tensors[t.b].contiguous()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(out, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def uniform(spec: AdapterSpec) -> tuple[int, float]:
+    """(rank, scale) shared by every target; ValueError when they differ."""
+    pairs = {(t.rank, t.scale) for t in spec.targets}
+    if len(pairs) != 1:
+        raise ValueError(f"the adapters have several ranks or scales ({sorted(pairs)[:3]}); "
+                         f"one is needed here")
+    return next(iter(pairs))

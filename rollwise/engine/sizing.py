@@ -134,7 +134,8 @@ def vllm_kwargs(cfg, model, colocated: bool = True) -> dict:
     return dict(seed=cfg.run.seed, max_batch=min(e.max_batch, 1024), segment=e.segment,
                 dtype=dtype_name(dtype), sleep_level=e.sleep_level,
                 max_model_len=model.config.max_position_embeddings,
-                entropy_logprobs=entropy_logprobs(model.config.vocab_size), **extra)
+                entropy_logprobs=entropy_logprobs(model.config.vocab_size),
+                lora_rank=cfg.train.lora.rank, **extra)
 
 
 EXACT_ENTROPY_MAX_VOCAB = 4096

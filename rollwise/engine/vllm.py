@@ -31,12 +31,13 @@ import math
 import os
 import random
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-from rollwise.engine.adapters import MergedAdapters
+from rollwise.engine.adapters import MergedAdapters, save_peft_adapter, uniform, zero_adapters
 from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
 from rollwise.engine.builtin import _scatter, completion_of
 from rollwise.engine.sampling import SamplingParams, derived_seed
@@ -48,7 +49,8 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 class VLLMEngine(Engine):
     def __init__(self, model_path: str | Path, *, seed: int = 0, version: int = 0,
                  max_batch: int = 64, segment: int = 16, dtype: str = "float32",
-                 entropy_logprobs: int = -1, sleep_level: int = 0, **engine_kwargs):
+                 entropy_logprobs: int = -1, sleep_level: int = 0, lora_rank: int = 0,
+                 **engine_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM (an optional dependency) loads with the first engine
         from vllm import EngineArgs, LLMEngine
@@ -60,6 +62,9 @@ class VLLMEngine(Engine):
         # rewind a seeded CPU generator for it (RuntimeError: CPU Generator does not use offset)
         kwargs = dict(enforce_eager=True, enable_prefix_caching=True, enable_chunked_prefill=False,
                       generation_config="vllm") | engine_kwargs
+        self.lora_rank = lora_rank  # > 0: vLLM's LoRA layers, for use_adapters
+        if lora_rank:
+            kwargs |= dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
         args = EngineArgs(model=str(model_path), skip_tokenizer_init=True, dtype=dtype,
                           seed=seed, max_num_seqs=max_batch, max_logprobs=-1,
                           logprobs_mode="processed_logprobs", **kwargs)
@@ -79,7 +84,9 @@ class VLLMEngine(Engine):
         self._last_dist: dict[int, dict[int, float]] = {}
         self._ready: list[Event] = []
         self._mirror: dict[str, torch.Tensor] | None = None
-        self.adapters: MergedAdapters | None = None  # LoRA: what weight sync writes
+        self.adapters: MergedAdapters | None = None  # LoRA merged into the mirror
+        self._native = None  # LoRA applied by vLLM: (AdapterSpec, the adapter tensors)
+        self._lora = None  # the LoRARequest every request carries once adapters are loaded
         self.sleep_level, self.sleeping = sleep_level, False
 
     # ---- requests ---------------------------------------------------------------------------
@@ -124,7 +131,8 @@ class VLLMEngine(Engine):
         seq.status, seq.finish_reason = SeqStatus.RUNNING, None
         self._live[seq.seq_id] = seq
         self._unanswered.add(seq.seq_id)
-        self.llm.add_request(str(seq.seq_id), {"prompt_token_ids": seq.prefill_ids}, vp)
+        self.llm.add_request(str(seq.seq_id), {"prompt_token_ids": seq.prefill_ids}, vp,
+                             lora_request=self._lora)
 
     def has_unfinished(self) -> bool:
         return bool(self._live) or bool(self._ready)
@@ -295,22 +303,45 @@ class VLLMEngine(Engine):
         self.weights_written(version)
 
     def use_adapters(self, spec) -> None:
-        """LoRA: weight sync writes the adapters, merged into the Hugging Face-layout copy
-        that is reloaded into vLLM (rollwise/engine/adapters.py; vLLM's own LoRA path is not
-        used: see docs/lora.md)."""
-        self.adapters = MergedAdapters(spec, self.hf_weights())
+        """LoRA: weight sync writes the adapters. Built with lora_rank, vLLM applies them
+        itself (its LoRA layers, one adapter reloaded in place at each sync: the base weights
+        are never reloaded); otherwise they are merged into the Hugging Face-layout copy,
+        which is reloaded whole (rollwise/engine/adapters.py)."""
+        if not self.lora_rank:
+            self.adapters = MergedAdapters(spec, self.hf_weights())
+            return
+        rank, _ = uniform(spec)
+        if rank > self.lora_rank:
+            raise ValueError(f"adapters of rank {rank}, but this vLLM engine was built for "
+                             f"rank <= {self.lora_rank}")
+        w = next(iter(self.hf_weights().values()))
+        self._native = (spec, zero_adapters(spec, w.dtype))
+        self._lora_dir = tempfile.TemporaryDirectory(prefix="rollwise-lora-")
+
+    def _load_adapters(self) -> None:
+        """Write the adapters where vLLM reads them and reload them in place: every request,
+        running ones too, computes with them from the next token on."""
+        from vllm.lora.request import LoRARequest  # vLLM: loaded by now
+        spec, tensors = self._native
+        save_peft_adapter(spec, tensors, self._lora_dir.name)
+        self._lora = LoRARequest("policy", 1, self._lora_dir.name)
+        self.llm.add_lora(LoRARequest("policy", 1, self._lora_dir.name, load_inplace=True))
 
     def weights_written(self, version: int) -> None:
         """Reload the whole mirror into vLLM in place (its CPU kernels repack weights, so they
-        cannot be written directly), and drop cached prefixes computed with the old weights.
-        A sleeping engine wakes its weights first, so the update is never lost to a sleep."""
+        cannot be written directly), or only the adapters where vLLM applies them, and drop
+        cached prefixes computed with the old weights. A sleeping engine wakes its weights
+        first, so the update is never lost to a sleep."""
         if self.adapters is not None:
             self.adapters.merge()
         if self.sleeping:
             self.wake(["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs=dict(
-            weights_iterator=list(self.hf_weights().items()), is_checkpoint_format=True))
-        if self._tied:
+        if self._native is not None:
+            self._load_adapters()
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs=dict(
+                weights_iterator=list(self.hf_weights().items()), is_checkpoint_format=True))
+        if self._tied and self._native is None:
             self.llm.apply_model(_retie_lm_head)
         if self.sleeping:
             self.wake(["kv_cache"])
@@ -322,6 +353,8 @@ class VLLMEngine(Engine):
         weights (hf_weights), or the adapters once use_adapters was called."""
         if self.adapters is not None:
             return self.adapters.tensors
+        if self._native is not None:
+            return self._native[1]
         return self.hf_weights()
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
@@ -337,6 +370,18 @@ class VLLMEngine(Engine):
             for f in files:
                 self._mirror.update(load_file(f))
         return self._mirror
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"train.lora.rank={rank}: vLLM takes adapters up to rank "
+                     f"{VLLM_LORA_RANKS[-1]}")
 
 
 def _event(seq: Sequence) -> Event:

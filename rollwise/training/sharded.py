@@ -48,6 +48,8 @@ class ShardedTrainer:
     `ranks(init, world, timeout)` starts them: ProcessRanks here (spawned processes), or
     rollwise.training.ray_ranks.RayRanks (Ray actors, loop.backend=ray)."""
 
+    adapters = None  # full weights only: train.lora is refused with world_size > 1
+
     def __init__(self, model, cfg, *, pad_id: int, seed: int = 0, world_size: int = 2,
                  timeout_s: float = 1800.0, ranks=None):
         if cfg.kl_coef > 0 or cfg.correction.snapshots > 0:

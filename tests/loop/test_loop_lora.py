@@ -60,12 +60,17 @@ def test_every_placement_samples_what_the_in_process_engine_does(reference, plac
     assert store_rows(reference / name) == store_rows(reference / "reference")
 
 
-def test_the_asynchronous_loop_trains_lora(reference):
-    out = train(load_config(None, SMALL + LORA + [f"run.root={reference}", "run.name=async",
-                                                  "loop.mode=async", "loop.max_staleness=1"]))
+def test_the_asynchronous_loop_trains_lora_against_kept_adapter_snapshots(reference):
+    """Stale tokens are corrected against the adapters of the version that sampled them."""
+    out = train(load_config(None, SMALL + LORA + [
+        f"run.root={reference}", "run.name=async", "loop.mode=async", "loop.max_staleness=1",
+        "train.correction.mode=tis", "train.correction.anchor=version",
+        "train.correction.snapshots=2"]))
     rows = metric_rows(reference / "async")
     assert [r["step"] for r in rows] == list(range(7)) and out["tokens_trained"] > 0
     assert max(r["staleness/max"] for r in rows[1:]) <= 1
+    assert max(r["staleness/max"] for r in rows[1:]) == 1  # some tokens were stale
+    assert all(r.get("train/dropped_tokens/no_snapshot", 0) == 0 for r in rows[1:])
 
 
 def test_export_merge_writes_the_model_the_adapter_computes(reference, tmp_path):
