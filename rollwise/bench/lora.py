@@ -28,6 +28,7 @@ import io
 import json
 import math
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,17 +152,25 @@ def in_child(argv: list[str]) -> dict:
 
 
 def train_run(args, name: str, seed: int, lr: float, steps: int, lora: bool) -> dict:
-    """One `rollwise train` in its own process; its summary against the target."""
+    """One `rollwise train` in its own process; its summary against the target. A run that
+    finished under --root before is read back, one that stopped is resumed: the benchmark
+    run again after a crash or a full disk redoes only what was lost."""
     extra = lora_overrides(args) if lora else []
+    run_dir = Path(args.root) / name
     cmd = [sys.executable, "-m", "rollwise", "train", "--config", args.config,
            *args.overrides, *QUIET, *extra, f"run.root={args.root}", f"run.name={name}",
            f"run.seed={seed}", f"train.lr={lr}", f"train.steps={steps}"]
+    if (run_dir / "checkpoints").is_dir() and not (run_dir / "summary.json").exists():
+        cmd = [sys.executable, "-m", "rollwise", "train", "--resume", str(run_dir)]
     t0 = time.time()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    rows = [json.loads(x) for x in (Path(args.root) / name / "metrics.jsonl").read_text()
-            .splitlines()]
+    if not (run_dir / "summary.json").exists():
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    # only the metrics are read: a full model's checkpoints would fill the disk over a sweep
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out = summarize("lora" if lora else "full", seed, rollwise_clock(rows), args.target)
-    out.update(lr=lr, wall_seconds=time.time() - t0, run=name)
+    wall = json.loads((run_dir / "summary.json").read_text())["wall_seconds"]
+    out.update(lr=lr, wall_seconds=wall, run=name, seconds_here=time.time() - t0)
     print(f"{name}: pass@1 {out['pass1_start']:.3f} -> {out['pass1_final']:.3f}, "
           f"target at step {out['steps_to_target']}, {out['wall_seconds']:.0f}s",
           file=sys.stderr, flush=True)

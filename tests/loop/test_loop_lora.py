@@ -85,3 +85,25 @@ def test_export_merge_writes_the_model_the_adapter_computes(reference, tmp_path)
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, unmerged(ids).logits, atol=1e-5)
     assert main(["export", str(tmp_path / "merged"), "--merge"]) == 2  # a full model: refused
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("latr", ["generate.strategy=latr", "generate.latr.tau_abs=0", "generate.latr.tau_rel=1",
+              "generate.latr.ages=[2]", "generate.max_new_tokens=12", "sft.steps=0"]),
+    ("episode", ["task.name=calc", "generate.strategy=episode", "generate.env=tools",
+                 "generate.tools=[calculator]", "generate.tool_format=plain",
+                 "generate.max_new_tokens=24", "generate.max_turns=3", "filter.reward=env",
+                 "filter.drop_equal_reward_groups=false"]),
+])
+def test_trees_and_episodes_train_lora(tmp_path, strategy, extra):
+    """Forked trees and multi-turn episodes run on the engine's merged weights; every sync
+    is checked against the trainer's adapters (sync.check)."""
+    small = [o for o in SMALL if not o.startswith(("filter.reward", "train.steps"))]
+    train(load_config(None, small + LORA + extra + [f"run.root={tmp_path}", "train.steps=2",
+                                                    f"run.name={strategy}"]))
+    rows = metric_rows(tmp_path / strategy)[1:]
+    assert [r["policy/version"] for r in rows] == [1, 2]
+    assert all(r["sync/full_bytes"] == rows[0]["sync/full_bytes"] for r in rows)
+    if strategy == "latr":
+        assert sum(r.get("decisions/generate/fork/latr_branch", 0) for r in rows) > 0
+    assert (tmp_path / strategy / "model" / "adapter_model.safetensors").exists()
