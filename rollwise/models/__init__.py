@@ -13,7 +13,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 from transformers.utils import logging as hf_logging
 
 from rollwise.config import ModelConfig
@@ -88,6 +94,14 @@ def load_model(path: str | Path, dtype: str = "float32"):
         return merged_adapter(where, dtype), load_tokenizer(where)
     model = _from_pretrained(AutoModelForCausalLM, where, dtype=DTYPES[dtype])
     return model, load_tokenizer(where)
+
+
+def model_config(path: str | Path):
+    """The Hugging Face config of what load_model(path) loads (an adapter's: its base's)."""
+    where = resolve_path(path)
+    if is_adapter(where):
+        return model_config(adapter_base(where))
+    return _from_pretrained(AutoConfig, where)
 
 
 def is_adapter(path: str | Path) -> bool:

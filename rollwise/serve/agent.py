@@ -30,7 +30,7 @@ import traceback
 import zlib
 from dataclasses import dataclass, field
 
-from rollwise import registry
+from rollwise import models, registry
 from rollwise.agents.transcripts import episode_examples
 from rollwise.engine import SamplingParams
 from rollwise.evaluate import EVAL_SEED
@@ -275,5 +275,4 @@ def _context(cfg) -> int:
     """The model's context length, from its folder's config or the built-in model's."""
     if cfg.model.path is None:
         return cfg.model.max_positions
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings
+    return models.model_config(cfg.model.path).max_position_embeddings

@@ -16,6 +16,7 @@ from rollwise.bench.crash import compare, metric_rows, store_rows
 from rollwise.cli import main
 from rollwise.config import load_config
 from rollwise.loop.run import train
+from rollwise.training.lora import quiet_peft
 
 pytestmark = pytest.mark.integration  # whole training loops
 
@@ -80,7 +81,9 @@ def test_export_merge_writes_the_model_the_adapter_computes(reference, tmp_path)
     merged = models.load_model(tmp_path / "merged")[0]
     assert not any("lora" in k for k in merged.state_dict())
     base = models.load_model(models.adapter_base(folder))[0]
-    unmerged = PeftModel.from_pretrained(base, str(folder)).eval()
+    assert models.model_config(folder).to_dict() == base.config.to_dict()  # the base's
+    with quiet_peft():
+        unmerged = PeftModel.from_pretrained(base, str(folder)).eval()
     ids = torch.tensor([[5, 9, 12, 7, 3, 20]])
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, unmerged(ids).logits, atol=1e-5)
