@@ -47,6 +47,10 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VLLMEngine(Engine):
+    adapters: MergedAdapters | None = None  # LoRA merged into the mirror
+    _native = None  # LoRA applied by vLLM: (AdapterSpec, the adapter tensors)
+    _lora = None  # the LoRARequest every request carries once adapters are loaded
+
     def __init__(self, model_path: str | Path, *, seed: int = 0, version: int = 0,
                  max_batch: int = 64, segment: int = 16, dtype: str = "float32",
                  entropy_logprobs: int = -1, sleep_level: int = 0, lora_rank: int = 0,
@@ -84,9 +88,6 @@ class VLLMEngine(Engine):
         self._last_dist: dict[int, dict[int, float]] = {}
         self._ready: list[Event] = []
         self._mirror: dict[str, torch.Tensor] | None = None
-        self.adapters: MergedAdapters | None = None  # LoRA merged into the mirror
-        self._native = None  # LoRA applied by vLLM: (AdapterSpec, the adapter tensors)
-        self._lora = None  # the LoRARequest every request carries once adapters are loaded
         self.sleep_level, self.sleeping = sleep_level, False
 
     # ---- requests ---------------------------------------------------------------------------
