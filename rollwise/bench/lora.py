@@ -69,13 +69,15 @@ def checkpoint_bytes(trainer) -> int:
     return buf.tell()
 
 
-def make_groups(args) -> None:
+def make_groups(args) -> dict:
     """One real step's trained groups under the config, pickled for both arms."""
     cfg = load_config(args.config, [*args.overrides, *QUIET, f"run.root={args.root}",
                                     "run.name=mechanics-groups", "run.eval_every=100000"])
     with Run(cfg, Progress("quiet", cfg.train.steps)) as run:
         groups = run.produce(1).trained
-    torch.save(groups, Path(args.root) / "mechanics-groups.pt")
+    path = Path(args.root) / "mechanics-groups.pt"
+    torch.save(groups, path)
+    return {"groups": str(path), "samples": sum(len(g.samples) for g in groups)}
 
 
 def measure_arm(args, arm: str) -> dict:
@@ -248,12 +250,9 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    if args.arm == "groups":  # the children of the mechanics part
-        make_groups(args)
-        print(json.dumps({}))
-        return 0
-    if args.arm:  # one arm, its JSON on the last line
-        print(json.dumps(measure_arm(args, args.arm)))
+    if args.arm:  # a child of the mechanics part: its JSON on the last line
+        print(json.dumps(make_groups(args) if args.arm == "groups" else
+                         measure_arm(args, args.arm)))
         return 0
     out = {"config": args.config, "rank": args.rank, "targets": args.targets,
            "overrides": args.overrides}

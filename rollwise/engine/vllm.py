@@ -42,6 +42,7 @@ from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
 from rollwise.engine.builtin import _scatter, completion_of
 from rollwise.engine.sampling import SamplingParams, derived_seed
 from rollwise.engine.scheduler import Event, SeqStatus, Sequence
+from rollwise.sync.payload import to_dtype
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -67,6 +68,7 @@ class VLLMEngine(Engine):
         kwargs = dict(enforce_eager=True, enable_prefix_caching=True, enable_chunked_prefill=False,
                       generation_config="vllm") | engine_kwargs
         self.lora_rank = lora_rank  # > 0: vLLM's LoRA layers, for use_adapters
+        self.dtype = dtype  # of its weights, and of the adapters it is sent
         if lora_rank:
             kwargs |= dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
         args = EngineArgs(model=str(model_path), skip_tokenizer_init=True, dtype=dtype,
@@ -315,8 +317,7 @@ class VLLMEngine(Engine):
         if rank > self.lora_rank:
             raise ValueError(f"adapters of rank {rank}, but this vLLM engine was built for "
                              f"rank <= {self.lora_rank}")
-        w = next(iter(self.hf_weights().values()))
-        self._native = (spec, zero_adapters(spec, w.dtype))
+        self._native = (spec, zero_adapters(spec, to_dtype(self.dtype)))
         self._lora_dir = tempfile.TemporaryDirectory(prefix="rollwise-lora-")
 
     def _load_adapters(self) -> None:

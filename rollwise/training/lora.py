@@ -96,14 +96,8 @@ def base_fingerprint(model) -> torch.Tensor:
                         dtype=torch.float64)
 
 
-def check_base(model, saved: torch.Tensor) -> None:
-    here = base_fingerprint(model)
+def check_base(here: torch.Tensor, saved: torch.Tensor) -> None:
+    """Two base_fingerprint results: the same base weights, or a ValueError saying so."""
     if here.shape != saved.shape or not torch.equal(here, saved):
         raise ValueError("the checkpoint's LoRA adapters were trained on other base weights "
                          "than this run's model: resume with the same model.path (or run.init)")
-
-
-def merged(model):
-    """A plain Hugging Face model with the adapters merged into its weights (peft's
-    merge_and_unload; `model` itself is consumed)."""
-    return model.merge_and_unload()

@@ -99,6 +99,8 @@ class Trainer:
         if cfg.lora.rank:
             model = lora.wrap(model, cfg.lora, seed)
         self.adapters = lora.adapter_spec(model) if cfg.lora.rank else None
+        # the base never moves under LoRA: its fingerprint, taken once, goes into checkpoints
+        self._base = lora.base_fingerprint(model) if self.adapters else None
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
@@ -613,7 +615,7 @@ class Trainer:
         what a checkpoint keeps."""
         ref = self.ref_model
         return {"model": self.model.state_dict() if not self.adapters else self.policy_state(),
-                "base": lora.base_fingerprint(self.model) if self.adapters else None,
+                "base": self._base,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "version": self.version,
                 "snapshots": self._snapshots,
@@ -626,7 +628,7 @@ class Trainer:
                              f"{'> 0' if state.get('base') is not None else '= 0'}, this run "
                              f"has {self.cfg.lora.rank}: resume with the same train.lora")
         if self.adapters:
-            lora.check_base(self.model, state["base"])
+            lora.check_base(self._base, state["base"])
         self._load_policy(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

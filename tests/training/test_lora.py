@@ -136,10 +136,13 @@ def test_a_checkpoint_restores_the_adapters_and_refuses_another_base(tiny):
         assert torch.equal(p, q), n
     groups = make_groups(base, tok, seed=5)
     assert trainer.update(copy.deepcopy(groups)) == other.update(groups)  # the optimizer too
+    moved = copy.deepcopy(tiny[0])
     with torch.no_grad():
-        next(p for n, p in other.model.named_parameters() if "lora_" not in n).add_(1e-3)
+        next(moved.parameters()).add_(1e-3)
+    on_other_base = Trainer(moved, TrainConfig(lr=1e-2, warmup_steps=0, lora=LORA),
+                            pad_id=tok.pad_token_id)
     with pytest.raises(ValueError, match="other base weights"):
-        other.load_state_dict(state)
+        on_other_base.load_state_dict(state)
     full = Trainer(copy.deepcopy(tiny[0]), TrainConfig(), pad_id=tok.pad_token_id)
     with pytest.raises(ValueError, match="train.lora"):
         full.load_state_dict(state)
