@@ -3,6 +3,10 @@ machine without it (torch.cuda.is_available only asks the driver)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
+
 import torch
 
 from rollwise.config import ConfigError
@@ -21,3 +25,23 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("auto", "cuda"):
         raise ConfigError(f"run.device = {name!r}: use auto, cpu or cuda")
     return torch.device("cuda" if has_cuda else "cpu")
+
+
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameters (malloc.h)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed blocks up to 32 MiB (its largest mmap threshold) for reuse instead
+    of returning them to the OS. Without it each step's large temporaries (a decode step's
+    (batch, vocabulary) log-probabilities, activations) come from fresh pages, and faulting them
+    in cost more than the arithmetic: sampling 64 rows of a 49k vocabulary took 22 ms instead of
+    6 ms on a 2-core CPU. Process-wide and idempotent; False where the C library is not glibc."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_MMAP_THRESHOLD, 32 << 20) and
+                    libc.mallopt(_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False

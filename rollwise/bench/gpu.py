@@ -28,6 +28,7 @@ import time
 import torch
 
 from rollwise import models
+from rollwise.bench import roofline
 
 # measure: warm-up, then backends timed in turn, medians
 from rollwise.bench.engine import measure
@@ -45,13 +46,18 @@ PEAKS = {"H100 SXM": (989e12, 3.35e12), "H100 NVL": (835e12, 3.9e12),
          "L40S": (362e12, 0.864e12), "L4": (121e12, 0.3e12), "RTX 4090": (165e12, 1.008e12)}
 
 
-def qwen_config(preset: str):
-    from transformers import Qwen2Config
+def model_config(preset: str):
+    """A model's shape with random weights: Qwen2.5-0.5B's, SmolLM2-135M's, or a tiny one."""
+    from transformers import LlamaConfig, Qwen2Config
     if preset == "0.5b":  # Qwen2.5-0.5B's shape
         return Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
                            num_attention_heads=14, num_key_value_heads=2,
                            intermediate_size=4864, max_position_embeddings=4096,
                            tie_word_embeddings=True)
+    if preset == "smollm2":  # SmolLM2-135M's shape
+        return LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                           max_position_embeddings=8192, tie_word_embeddings=True)
     return Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
                        tie_word_embeddings=True)
@@ -60,7 +66,7 @@ def qwen_config(preset: str):
 def build(preset: str, device: str, dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(qwen_config(preset)).to(device, dtype).eval()
+    return AutoModelForCausalLM.from_config(model_config(preset)).to(device, dtype).eval()
 
 
 def sync(device: str) -> None:
@@ -68,38 +74,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_params(model) -> int:
-    """Parameters that take part in a matmul per token: every Linear, the LM head included."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
 def device_peaks(device: str) -> dict:
-    """Vendor peaks where the device is known, and both measured here."""
+    """Vendor peaks where the device is known, and both measured here (bench roofline)."""
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     vendor = next((v for k, v in PEAKS.items() if k in name), (None, None))
-    n = 8192 if device.startswith("cuda") else 512
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device,
-                                                                      dtype=dtype)
-    flops = 2 * n ** 3 / _best(lambda: a @ b, device)
-    x = torch.empty(2 ** 28 if device.startswith("cuda") else 2 ** 24, device=device)
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), device)  # read + write
+    flops = roofline.matmul_rate(torch.bfloat16 if device.startswith("cuda") else torch.float32,
+                                 device, n=None if device.startswith("cuda") else 512)
+    bw = roofline.bandwidth(device, None if device.startswith("cuda") else 2 ** 26)
     return {"device_name": name, "vendor_flops": vendor[0], "vendor_bandwidth": vendor[1],
             "measured_flops": flops, "measured_bandwidth": bw,
             "flops": vendor[0] or flops, "bandwidth": vendor[1] or bw}
-
-
-def _best(fn, device: str, repeats: int = 5) -> float:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 # ----------------------------------------------------------------------------- generation
@@ -220,7 +204,8 @@ def bench_training(args, peaks) -> list[dict]:
         sec = statistics.median(times)
         L, d = model.config.num_hidden_layers, model.config.hidden_size
         T = args.prompt_len + args.response_len
-        per_token_fwd = 2 * matmul_params(model) + 2 * L * T * d  # causal attention: ~T/2 keys
+        # causal attention: ~T/2 keys
+        per_token_fwd = 2 * roofline.linear_weights(model) + 2 * L * T * d
         # packing (train.pack_prompts) holds a group's prompt once in the passes
         tokens = args.train_groups * (args.prompt_len + 8 * args.response_len)
         flops = 4 * per_token_fwd * tokens  # old-log-prob pass (1x) + trained pass (3x)
@@ -253,12 +238,12 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rollwise bench gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--preset", choices=["0.5b", "tiny"], default="0.5b")
+    ap.add_argument("--preset", choices=["0.5b", "smollm2", "tiny"], default="0.5b")
     ap.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -266,20 +251,28 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--train-groups", type=int, default=4, help="groups of 8 per update")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("rollwise bench gpu: no CUDA device here; run it on a GPU machine, or pass "
-              "--device cpu --preset tiny to check the code path", file=sys.stderr)
-        return 2
-    peaks = device_peaks(args.device)
+    return ap
+
+
+def run(args, peaks: dict | None = None) -> dict:
+    """The benchmark's result for parsed arguments (peaks measured unless given)."""
+    peaks = peaks or device_peaks(args.device)
     model = build(args.preset, args.device)
     rows = bench_generation(args, model, peaks)
     del model
     rows += bench_training(args, peaks)
-    result = {"benchmark": "gpu", "preset": args.preset, **peaks, "rows": rows}
+    return {"benchmark": "gpu", "preset": args.preset, **peaks, "rows": rows}
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("rollwise bench gpu: no CUDA device here; run it on a GPU machine, or pass "
+              "--device cpu --preset tiny to check the code path", file=sys.stderr)
+        return 2
+    result = run(args)
     print(json.dumps(result) if args.json else table(result))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -101,8 +101,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[fl
         if greedy is not False:
             tokens = torch.where(greedy, logp.argmax(-1), tokens)
     token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    ent = -(probs * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)  # 0 * log 0 = 0
-    return tokens, token_logp, ent, logp
+    return tokens, token_logp, _entropy(probs, logp), logp
+
+
+def _entropy(probs: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p per row, without the clamp over the whole table that only rows with
+    tokens outside the support need (p = 0, log p = -inf: top-k, top-p, masked logits); those
+    rows come out NaN and are summed again with 0 * log 0 = 0."""
+    ent = -torch.linalg.vecdot(probs, logp)
+    bad = ent.isnan()
+    if bool(bad.any()):
+        ent[bad] = -(probs[bad] * logp[bad].clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
+    return ent
 
 
 def _uniform_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
@@ -129,7 +139,7 @@ def _inverse_cdf(logp: torch.Tensor, probs: torch.Tensor, uniforms: list[float])
     picked = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp_max(logp.shape[-1] - 1)
     # never land on a zero-probability token through rounding at the top of the CDF
     ok = probs.gather(-1, picked[:, None]).squeeze(-1) > 0
-    return torch.where(ok, picked, logp.argmax(-1))
+    return picked if bool(ok.all()) else torch.where(ok, picked, logp.argmax(-1))
 
 
 def derived_seed(seed: int, n_tokens: int) -> int:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rollwise.config import TrainConfig
+from rollwise.devices import keep_freed_memory
 from rollwise.training import correction as corr
 from rollwise.training import lora
 from rollwise.training.advantages import (
@@ -102,6 +103,8 @@ class Trainer:
         # the base never moves under LoRA: its fingerprint, taken once, goes into checkpoints
         self._base = lora.base_fingerprint(model) if self.adapters else None
         self.model = model
+        if next(model.parameters()).device.type == "cpu":
+            keep_freed_memory()  # activations and log-softmax temporaries reuse freed memory
         self.cfg = cfg
         self.pad_id = pad_id
         self.seed = seed

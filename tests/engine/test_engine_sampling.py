@@ -47,6 +47,20 @@ def test_mixed_settings_match_the_reference_row_by_row():
     assert got[0].tolist() == [a[0].item() for a in alone]  # rows do not affect each other
 
 
+def test_masked_vocabulary_and_bf16_logits_match_the_reference():
+    """Logits of -inf (a masked vocabulary) without top-k/top-p, in bf16 as a bf16 engine
+    gives them: the one-pass entropy falls back to 0 * log 0 = 0 on those rows only."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(16, 50, generator=g) * 3).to(torch.bfloat16)
+    logits[::3, 40:] = float("-inf")
+    params = [params_for((1.0, 0, 1.0))] * 16
+    u = [random.Random(i).random() for i in range(16)]
+    got, ref = sample(logits, params, u), reference(logits, params, u)
+    assert torch.isfinite(got[2]).all()
+    for a, b in zip(got, ref):
+        assert torch.allclose(a.float(), b.float(), atol=1e-6)
+
+
 def test_top_k_top_p_support_and_frequencies():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     p = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)

@@ -1,0 +1,137 @@
+"""The GPU check: what rollwise has never run on a GPU, in one command that writes one JSON.
+
+    bash scripts/gpu_check.sh [OUT.json]              # one NVIDIA GPU; no network, no vLLM
+    python -m rollwise.bench.gpu_check --device cpu --tiny --out check.json   # CI: the same code
+
+Parts, each timed; one that fails is recorded with its error and the others still run (the
+JSON is rewritten after each, so a run cut short keeps what finished):
+  bench_gpu  `rollwise bench gpu` (engine and trainer beside the device's peaks) at
+             SmolLM2-135M's and Qwen2.5-0.5B's shapes, random weights built from a config
+  train      20 steps of the default run with run.device set; on a GPU it must learn
+             (held-out pass@1 rises)
+  fsdp2      one update of the FSDP2 trainer (train.world_size=1, NCCL) against the plain
+             Trainer's on the same model and batch: the same weights after it
+--tiny shrinks every part (the tiny model, a few tokens, 2 steps) to keep its code path alive
+on a CPU; it asserts nothing about learning. Exit 0 when every part passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+TINY_RUN = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+            "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=300",
+            "task.eval_size=40", "sft.steps=20", "sft.eval_every=10", "train.steps=2",
+            "control.prompts_per_step=6", "generate.group_size=4", "run.eval_every=2",
+            "run.threads=1", "filter.workers=0"]
+
+
+def bench_gpu(device: str, tiny: bool) -> dict:
+    from rollwise.bench import gpu
+    if tiny:
+        argv = [["--preset", "tiny", "--seqs", "2,4", "--new-tokens", "4", "--prompt-len", "6",
+                 "--response-len", "8", "--train-groups", "2", "--repeats", "1",
+                 "--microbatch-tokens", "64"]]
+    else:
+        argv = [["--preset", p, "--repeats", "2"] for p in ("smollm2", "0.5b")]
+    peaks = gpu.device_peaks(device)
+    return {a[1]: gpu.run(gpu.parser().parse_args(["--device", device, *a]), peaks)
+            for a in argv}
+
+
+def train(device: str, tiny: bool) -> dict:
+    import rollwise
+    from rollwise.config import load_config
+    with tempfile.TemporaryDirectory() as root:
+        overrides = [f"run.device={device}", f"run.root={root}", "run.name=gpu-check",
+                     "run.log=quiet", "run.report=false", "run.tensorboard=false"]
+        overrides += TINY_RUN if tiny else ["train.steps=20", "run.eval_every=10"]
+        t = time.perf_counter()
+        summary = rollwise.train(load_config(None, overrides))
+        seconds = time.perf_counter() - t
+    start, end = summary["eval_pass1_start"], summary["eval_pass1_end"]
+    if not tiny and end <= start:
+        raise AssertionError(f"the default run did not learn on {device}: held-out pass@1 "
+                             f"{start:.3f} -> {end:.3f} in 20 steps")
+    return {"steps": summary.get("steps"), "eval_pass1_start": start, "eval_pass1_end": end,
+            "wall_seconds": seconds}
+
+
+def fsdp2(device: str, tiny: bool) -> dict:
+    """FSDP2 over one rank (NCCL on a GPU, gloo on a CPU) against the plain Trainer."""
+    from rollwise.bench import gpu
+    from rollwise.config import TrainConfig
+    from rollwise.training.sharded import ShardedTrainer
+    from rollwise.training.trainer import Trainer
+    model = gpu.build("tiny" if tiny else "smollm2", "cpu", torch.float32)
+    cfg = TrainConfig(lr=1e-4, minibatches=1, kl_coef=0.0, correction={"snapshots": 0})
+    groups = gpu.synthetic_groups(2, 4, 8, 16 if tiny else 128, model.config.vocab_size)
+    plain = Trainer(copy.deepcopy(model).to(device), cfg, pad_id=0, seed=0)
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0, seed=0, world_size=1,
+                             timeout_s=300)
+    try:
+        a, b = plain.update(groups), sharded.update(groups)
+        moved = max(float((w.cpu() - model.state_dict()[k]).abs().max())
+                    for k, w in plain.weights().items())
+        gap = max(float((w.cpu() - sharded.weights()[k].cpu()).abs().max())
+                  for k, w in plain.weights().items())
+    finally:
+        sharded.close()
+    if not gap < 0.1 * moved:
+        raise AssertionError(f"FSDP2's update differs from the plain trainer's by {gap:.2e} "
+                             f"(the update itself moved weights by {moved:.2e})")
+    return {"loss_plain": a["train/loss"], "loss_fsdp2": b["train/loss"],
+            "max_weight_gap": gap, "max_weight_change": moved}
+
+
+PARTS = {"bench_gpu": bench_gpu, "train": train, "fsdp2": fsdp2}
+
+
+def environment(device: str) -> dict:
+    import transformers
+    env = {"torch": torch.__version__, "transformers": transformers.__version__,
+           "python": sys.version.split()[0], "device": device}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rollwise.bench.gpu_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the CPU check of the code path")
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--parts", default=",".join(PARTS))
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device here; run it on a GPU machine, or use "
+              "--device cpu --tiny to check the code path", file=sys.stderr)
+        return 2
+    result = {"benchmark": "gpu_check", "environment": environment(args.device), "parts": {}}
+    for name in args.parts.split(","):
+        t = time.perf_counter()
+        try:
+            part = {"ok": True, **PARTS[name](args.device, args.tiny)}
+        except Exception as e:  # recorded; the other parts still run
+            part = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:]}
+        part["seconds"] = round(time.perf_counter() - t, 1)
+        result["parts"][name] = part
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"gpu_check: {name} {'ok' if part['ok'] else 'FAILED: ' + part['error']} "
+              f"({part['seconds']} s)", file=sys.stderr)
+    return 0 if all(p["ok"] for p in result["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
