@@ -61,6 +61,20 @@ def test_masked_vocabulary_and_bf16_logits_match_the_reference():
         assert torch.allclose(a.float(), b.float(), atol=1e-6)
 
 
+def test_a_large_batch_sampled_in_passes_equals_one_pass(monkeypatch):
+    """Batches over the pass size are sampled in row passes: the same tokens, log-probs,
+    entropies and tables as one pass over every row."""
+    from rollwise.engine import sampling
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 40, generator=g) * 3
+    params = [params_for(SETTINGS[i % 2]) for i in range(50)]
+    u = [random.Random(i).random() for i in range(50)]
+    whole = sample(logits, params, u)
+    monkeypatch.setattr(sampling, "_PASS_ELEMENTS", 7 * 40)  # passes of 7 rows
+    for a, b in zip(sample(logits, params, u), whole):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
 def test_top_k_top_p_support_and_frequencies():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     p = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
