@@ -77,7 +77,7 @@ def prompts_for(kind: str, n: int, vocab: int, shape: str = "short", seed: int =
     """n prompts; in RL shapes (and 'rl' requests) 8 samples share each prompt (a GRPO group).
     task_prompts: the task's rendered prompts to take them from; else 10 random ids."""
     grouped = shape == "rl" or kind == "rl"
-    distinct = n // 8 if grouped else n
+    distinct = distinct_prompts(kind, n, shape)
     if task_prompts is not None:
         if len(task_prompts) < distinct:
             raise ValueError(f"the task gave {len(task_prompts)} prompts; {distinct} needed")
@@ -86,6 +86,11 @@ def prompts_for(kind: str, n: int, vocab: int, shape: str = "short", seed: int =
         rng = random.Random(seed + 1)
         base = [[rng.randrange(3, vocab) for _ in range(10)] for _ in range(distinct)]
     return [base[i // 8] for i in range(n)] if grouped else base
+
+
+def distinct_prompts(kind: str, n: int, shape: str) -> int:
+    """How many different prompts n requests have (groups of 8 in RL shapes)."""
+    return n // 8 if shape == "rl" or kind == "rl" else n
 
 
 def task_prompts(config, tokenizer, n: int) -> list[list[int]]:
@@ -286,7 +291,8 @@ def main(argv: list[str]) -> int:
     model, tok = build_model(args.preset, args.model_dir)
     model = model.to(args.device, getattr(torch, args.dtype)).eval()
     vocab = model.get_input_embeddings().num_embeddings
-    given = task_prompts(args.config, tok, 64) if args.config else None
+    distinct = max(distinct_prompts(kind, n, args.shape) for kind, n, _ in SHAPES[args.shape])
+    given = task_prompts(args.config, tok, distinct) if args.config else None
 
     def prompts_of(kind: str, n: int) -> list[list[int]]:
         return prompts_for(kind, n, vocab, args.shape, task_prompts=given)

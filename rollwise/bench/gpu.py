@@ -34,7 +34,6 @@ from rollwise.bench import roofline
 from rollwise.bench.engine import measure
 from rollwise.config import TrainConfig
 from rollwise.engine import BuiltinEngine, Request, SamplingParams
-from rollwise.engine.sizing import kv_bytes_per_token
 from rollwise.engine.vllm import VLLMEngine
 from rollwise.training.trainer import Trainer
 from rollwise.types import Group, Sample
@@ -126,9 +125,11 @@ def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
 
 
 def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens: int) -> float:
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = kv_bytes_per_token(model.config, model.dtype) * (prompt_len + new_tokens / 2)
-    return batch * peaks["bandwidth"] / (weight_bytes + batch * kv)
+    """The bandwidth bound alone (a GPU's decode is memory-bound): roofline.decode_bound's
+    memory side at the mean context."""
+    step = roofline.decode_bytes_per_step(model, batch, prompt_len + new_tokens / 2,
+                                          model.dtype)
+    return batch * peaks["bandwidth"] / step
 
 
 def bench_generation(args, model, peaks) -> list[dict]:
@@ -273,6 +274,7 @@ def main(argv: list[str]) -> int:
     result = run(args)
     print(json.dumps(result) if args.json else table(result))
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from rollwise.engine.sizing import kv_bytes_per_token
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -100,27 +102,22 @@ def linear_weights(model) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def _attention_dims(config) -> tuple[int, int, int]:
+def _query_width(config) -> int:
+    """Query heads x head dim: the width attention's products run over."""
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return heads, head_dim, kv_heads
+    return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def decode_flops_per_token(model, context: float) -> float:
     """Forward FLOPs of one decoded token at `context` keys (scores and weighted sum)."""
-    heads, head_dim, _ = _attention_dims(model.config)
-    return 2 * linear_weights(model) + 4 * model.config.num_hidden_layers * heads * head_dim * \
-        context
+    return 2 * linear_weights(model) + 4 * model.config.num_hidden_layers * \
+        _query_width(model.config) * context
 
 
 def decode_bytes_per_step(model, batch: int, context: float, kv_dtype: torch.dtype) -> float:
     """Bytes one decode step must read: every weight once, each sequence's K/V."""
-    _, head_dim, kv_heads = _attention_dims(model.config)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_token = 2 * model.config.num_hidden_layers * kv_heads * head_dim * \
-        torch.empty((), dtype=kv_dtype).element_size()
-    return weights + batch * kv_token * context
+    return weights + batch * kv_bytes_per_token(model.config, kv_dtype) * context
 
 
 def decode_bound(model, peaks: dict, batch: int, context: float) -> float:
@@ -133,9 +130,8 @@ def decode_bound(model, peaks: dict, batch: int, context: float) -> float:
 
 def train_flops_per_token(model, context: float) -> float:
     """Forward + backward FLOPs of one trained token in a sequence of `context` tokens."""
-    heads, head_dim, _ = _attention_dims(model.config)
-    return 6 * linear_weights(model) + 6 * model.config.num_hidden_layers * heads * head_dim * \
-        context
+    return 6 * linear_weights(model) + 6 * model.config.num_hidden_layers * \
+        _query_width(model.config) * context
 
 
 def table(result: dict) -> str:
