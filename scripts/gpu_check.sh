@@ -2,7 +2,7 @@
 # The GPU check (rollwise/bench/gpu_check.py): on a machine with one NVIDIA GPU, torch,
 # transformers and peft, and no network or vLLM, within 8 minutes, one JSON: bench gpu at
 # SmolLM2-135M's and Qwen2.5-0.5B's shapes, 20 steps of the default run on the GPU (it must
-# learn), and FSDP2 on one GPU.
+# learn), FSDP2 on one GPU, and a profile of where the GPU's time goes.
 #   bash scripts/gpu_check.sh [OUT.json]                      # default gpu_check.json
 #   GPU_CHECK_DEVICE=cpu bash scripts/gpu_check.sh OUT.json   # the tiny CPU mode CI runs
 # rollwise's other dependencies install from ./.wheels when present (made where there is a

@@ -11,6 +11,9 @@ JSON is rewritten after each, so a run cut short keeps what finished):
              (held-out pass@1 rises)
   fsdp2      one update of the FSDP2 trainer (train.world_size=1, NCCL) against the plain
              Trainer's on the same model and batch: the same weights after it
+  profile    where the time goes (torch.profiler) in the built-in engine's decode, HF
+             `generate`'s and one update at SmolLM2's shape: wall time against the time the
+             device's kernels ran, the number of kernels launched, the costliest operators
 --tiny shrinks every part (the tiny model, a few tokens, 2 steps) to keep its code path alive
 on a CPU; it asserts nothing about learning. Exit 0 when every part passed.
 """
@@ -93,7 +96,57 @@ def fsdp2(device: str, tiny: bool) -> dict:
             "max_weight_gap": gap, "max_weight_change": moved}
 
 
-PARTS = {"bench_gpu": bench_gpu, "train": train, "fsdp2": fsdp2}
+def profiled(fn, device: str) -> dict:
+    """fn run once under torch.profiler (after a warm-up run): wall seconds, seconds the
+    device's kernels ran (None on a CPU) and how many launched, and the costliest operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollwise.bench import gpu
+    cuda = device.startswith("cuda")
+    fn()
+    gpu.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        fn()
+        gpu.sync(device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 if cuda else None
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    top = sorted((e for e in events if e.key.startswith("aten::")),
+                 key=lambda e: getattr(e, key), reverse=True)[:8]
+    return {"wall_s": wall, "device_busy_s": busy,
+            "device_busy_share": None if busy is None else busy / wall,
+            "kernel_launches": sum(e.count for e in kernels) if cuda else None,
+            "top_ops": [{"op": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3}
+                        for e in top]}
+
+
+def profile(device: str, tiny: bool) -> dict:
+    """Is the device kept busy? Decode of 64 sequences × 32 tokens (built-in and HF) and one
+    update of 2 groups × 8 × 512 tokens, SmolLM2's shape in bf16 (the tiny model: a few).
+    Last of the parts: about two minutes on an H100, most of it the profiler's own cost."""
+    from rollwise.bench import gpu
+    from rollwise.config import TrainConfig
+    from rollwise.training.trainer import Trainer
+    preset, n, prompt_len, new, response_len = (("tiny", 4, 8, 4, 8) if tiny
+                                                else ("smollm2", 64, 128, 32, 512))
+    model = gpu.build(preset, device)
+    prompts = gpu.gen_inputs(n, prompt_len, model.config.vocab_size)
+    out = {"builtin_decode": profiled(lambda: gpu.run_builtin(model, prompts, new), device),
+           "hf_decode": profiled(lambda: gpu.run_hf(model, prompts, new), device)}
+    trainer = Trainer(model, TrainConfig(minibatches=1, max_tokens_per_microbatch=16384,
+                                         lr=1e-6), pad_id=0)
+    groups = gpu.synthetic_groups(1 if tiny else 2, 8, prompt_len, response_len,
+                                  model.config.vocab_size)
+    out["train_update"] = profiled(lambda: trainer.update(groups), device)
+    return {"shape": {"preset": preset, "sequences": n, "prompt_len": prompt_len,
+                      "new_tokens": new, "update_tokens_per_sample": response_len}, **out}
+
+
+PARTS = {"bench_gpu": bench_gpu, "train": train, "fsdp2": fsdp2, "profile": profile}
 
 
 def environment(device: str) -> dict:

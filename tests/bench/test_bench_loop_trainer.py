@@ -71,9 +71,13 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["parts"]) == {"bench_gpu", "train", "fsdp2"}
+    assert set(result["parts"]) == {"bench_gpu", "train", "fsdp2", "profile"}
     assert all(p["ok"] for p in result["parts"].values())
     assert result["parts"]["fsdp2"]["max_weight_gap"] < 1e-5 < \
         result["parts"]["fsdp2"]["max_weight_change"]
+    for run in ("builtin_decode", "hf_decode", "train_update"):
+        prof = result["parts"]["profile"][run]
+        assert prof["wall_s"] > 0 and prof["top_ops"] and prof["device_busy_s"] is None
+        assert all(op["op"].startswith("aten::") and op["calls"] > 0 for op in prof["top_ops"])
     rows = result["parts"]["bench_gpu"]["tiny"]["rows"]
     assert {r["part"] for r in rows} == {"generate", "train"}
