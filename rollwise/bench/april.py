@@ -1,6 +1,7 @@
 """APRIL partial rollouts against synchronous groups on a long-tail task.
 
     rollwise bench april [--steps 20] [--repeats 3] [key=value ...]
+    rollwise bench april --config configs/smollm2.yaml generate.max_new_tokens=256 [...]
 
 The built-in tiers with two kinds of "thinking" before the answer give long-tailed response
 lengths: most worked solutions think briefly ('.' filler, geometric, mean task.filler_mean)
@@ -11,6 +12,9 @@ rollout-phase throughput: tokens of the groups handed to the trainer per second 
 A token counts when its group is trained on: APRIL's carried samples count in the step that
 trains them, and what is still carried at the end counts nowhere (its generation time does).
 The run fails if decoded tokens != trained + carried tokens.
+
+With --config the run is that config's (its model, task and prompts) with the same schedule
+settings; a real model's own response lengths give the tail (a few ramble to the cap).
 
 Also reported: trained tokens per model forward pass (decode tick), the cost model in which
 a tick costs the same however many rows it holds, which is what a memory-bound GPU decoder
@@ -33,16 +37,18 @@ from rollwise.report.progress import Progress
 from rollwise.tasks import load_task
 from rollwise.training.sft import warm_start
 
-DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean=60",
-            "generate.max_new_tokens=192", "sft.steps=300", "control.prompts_per_step=8",
-            "filter.drop_equal_reward_groups=false", "run.eval_every=1000", "run.log=quiet",
-            "run.report=false"]
+TASK_DEFAULTS = ["task.filler_mean=4", "task.filler_tail=0.1", "task.filler_tail_mean=60",
+                 "generate.max_new_tokens=192", "sft.steps=300"]  # the built-in long tail
+RUN_DEFAULTS = ["control.prompts_per_step=8", "filter.drop_equal_reward_groups=false",
+                "run.eval_every=1000", "run.log=quiet", "run.report=false"]
 
 
-def run_mode(base: list[str], mode: str, steps: int, root: str, init: str) -> dict:
-    cfg = load_config(None, base + [f"control.inflight={mode}", f"train.steps={steps}",
-                                    f"run.root={root}", f"run.name=april-{mode}",
-                                    f"run.init={init}"])
+def run_mode(base: list[str], mode: str, steps: int, root: str, init: str | None,
+             config: str | None = None) -> dict:
+    """One run of `steps` under control.inflight=mode, from `init` (None: the config's model)."""
+    cfg = load_config(config, base + [f"control.inflight={mode}", f"train.steps={steps}",
+                                      f"run.root={root}", f"run.name=april-{mode}"]
+                      + ([f"run.init={init}"] if init else []))
     with Run(cfg, Progress("quiet")) as run:
         engine = run.engine
         decoded0, prefill0, passes0 = (engine.tokens_generated, engine.prefill_tokens,
@@ -74,17 +80,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--root", default="runs/bench-april")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--config", help="a run's config (its model and task) instead of the "
+                                    "built-in long-tail task")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    base = DEFAULTS + args.overrides
-    cfg = load_config(None, base + [f"run.root={args.root}"])
-    model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
-    init = f"{args.root}/warm-start"
-    models.save(model, tok, init)
+    init = None
+    if args.config:
+        base = RUN_DEFAULTS + args.overrides
+        load_config(args.config, base)  # a bad key fails here, before any run
+    else:
+        base = TASK_DEFAULTS + RUN_DEFAULTS + args.overrides
+        cfg = load_config(None, base + [f"run.root={args.root}"])
+        model, tok = warm_start(cfg, load_task(cfg.task), log=lambda m: None)
+        init = f"{args.root}/warm-start"
+        models.save(model, tok, init)
     results = {"none": [], "april": []}
     for r in range(args.repeats):  # alternate the order so drift hits both modes alike
         for mode in (("none", "april") if r % 2 == 0 else ("april", "none")):
-            results[mode].append(run_mode(base, mode, args.steps, args.root, init))
+            results[mode].append(run_mode(base, mode, args.steps, args.root, init,
+                                          args.config))
     med = {m: statistics.median(x["throughput"] for x in rs) for m, rs in results.items()}
     ratios = [a["throughput"] / s["throughput"] for a, s in zip(results["april"],
                                                                  results["none"])]

@@ -5,6 +5,7 @@ AdamW master weights.
     rollwise bench sync                                  # tiny model and the ~0.5B model
     rollwise bench sync --models tiny --tiny-lrs 1e-6,1e-5,1e-4,1e-3
     rollwise bench sync --models 0.5b --lrs 1e-6,1e-5 --steps 2 --json
+    rollwise bench sync --config configs/smollm2.yaml --lrs 1e-6,3e-6,1e-5 --steps 3 [key=value]
 
 Per model and learning rate, from the same start (the fp32 master starts on the bf16 grid, as
 when RL starts from a bf16 checkpoint), after every optimizer step the engine gets a sparse
@@ -15,6 +16,9 @@ the same weights: the two are measured side by side on the same weights and engi
   Trainer (GRPO advantages, PPO-clip, AdamW) on rollouts the engine process generates for the
   arith prompts; reward 1 for an even response length (a random model earns it half the time,
   so every step trains), or the task's exact answer with --init <warm-start model folder>.
+- --config C: a run's own RL steps (`rollwise train`'s model, task, prompts, reward and
+  trainer, at each --lrs with no warm-up or decay), its start weights put on the bf16 grid;
+  the sync is measured on its trainer's weights after each step.
 - 0.5b: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
   tied embeddings; vocab 151936, so 0.49B parameters), random init as Qwen2 initialises;
   each step is one real GRPO policy-gradient step (on-policy PPO-clip, whose gradient at ratio
@@ -22,9 +26,10 @@ the same weights: the two are measured side by side on the same weights and engi
   and 16-token responses, groups of 4 with binary rewards, fused AdamW.
 
 Reported: density (share of bf16 elements whose stored value changed), bytes of each payload
-(tensor bytes incl. padding, plus the compressed pickled metadata), wall seconds of each push
-(encode, shared-memory hand-off, apply, checksum verify on both sides), and whether the engine
-was bit-identical to the trainer after every sparse sync.
+(tensor bytes incl. padding, plus the compressed pickled metadata; every sparse coding is
+encoded on the same weights, and the one --coding names is also sent and checked), wall
+seconds of each push (encode, shared-memory hand-off, apply, checksum verify on both sides),
+and whether the engine was bit-identical to the trainer after every sparse sync.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import copy
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -97,15 +104,23 @@ class PeerFormats:
         return out
 
 
-def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) -> dict:
+CODINGS = ("delta", "context", "pairs")  # sync.coding's choices
+
+
+def measure(sparse, full, coders, check: bool, peers: PeerFormats | None = None) -> dict:
     """One sparse push (then the bit-for-bit check), one full push of the same weights, the
-    same sparse payload coded as SparseRL-Sync's (index, value) pairs (encoded and measured,
-    not sent: the engine already holds those weights), and the peers' formats."""
+    same weights' sparse payload in every other coding (encoded and measured, not sent: the
+    engine already holds those weights), and the peers' formats."""
     trainer = sparse.trainer
     peer = peers.measure(trainer.weights()) if peers else {}
-    meta, _ = pairs.sender.encode(trainer.weights(), trainer.version, pairs.transport.alloc,
-                                  full=False)
+    coded = {}
+    for coding, sync in coders.items():
+        meta, _ = sync.sender.encode(trainer.weights(), trainer.version, sync.transport.alloc,
+                                     full=False)
+        coded[coding] = meta.nbytes + len(pack_meta(meta))
     ms = sparse.push()
+    sent, = set(CODINGS) - set(coders)
+    coded[sent] = ms["sync/bytes"]
     exact = True
     if check:
         try:
@@ -114,7 +129,7 @@ def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) 
             exact = False
     mf = full.push()
     return {"density": ms["sync/density"], "sparse_bytes": ms["sync/bytes"],
-            "pairs_bytes": meta.nbytes + len(pack_meta(meta)),
+            "pairs_bytes": coded["pairs"], "coding_bytes": coded,
             "full_bytes": mf["sync/bytes"], "sparse_s": ms["sync/seconds"],
             "full_s": mf["sync/seconds"], "sparse_kind": ms["sync/sparse"],
             "dense_tensors": ms["sync/dense_tensors"], "exact": exact,
@@ -124,13 +139,16 @@ def measure(sparse, full, pairs, check: bool, peers: PeerFormats | None = None) 
 
 
 def syncs(trainer, proc, coding: str):
+    """The sent sparse sync, a full one, an encode-only one per other coding, the peers'."""
     transport = ProcessTransport(proc)
     sparse = WeightSync(trainer, transport, mode="sparse", coding=coding)
     full = WeightSync(trainer, transport, mode="full")
-    pairs = WeightSync(trainer, transport, mode="sparse", coding="pairs")
+    coders = {c: WeightSync(trainer, transport, mode="sparse", coding=c)
+              for c in CODINGS if c != coding}
     sparse.push()  # a new sender: full; the engine now holds the start weights
-    pairs.sender.encode(trainer.weights(), trainer.version, transport.alloc, full=True)
-    return sparse, full, pairs, PeerFormats(trainer.weights())
+    for sync in coders.values():  # each mirror starts from the same weights
+        sync.sender.encode(trainer.weights(), trainer.version, transport.alloc, full=True)
+    return sparse, full, coders, PeerFormats(trainer.weights())
 
 
 # --- tiny model: rollwise's Trainer on rollouts from the engine process --------------------------
@@ -149,13 +167,13 @@ def tiny_rows(args) -> list[dict]:
             model = copy.deepcopy(model0)
             trainer = Trainer(model, TrainConfig(lr=lr, steps=10**6), pad_id=tok.pad_token_id,
                               seed=args.seed)
-            sparse, full, pairs, peers = syncs(trainer, proc, args.coding)
+            sparse, full, coders, peers = syncs(trainer, proc, args.coding)
             for step in range(1, args.tiny_steps + 1):
                 groups = rollouts(proc, tok, task, step, exact=bool(args.init), seed=args.seed)
                 trainer.update(groups)
                 rows.append({"model": "tiny", "params": models.num_params(model), "lr": lr,
-                             "wire": args.wire, "coding": args.coding,
-                             "step": step, **measure(sparse, full, pairs, check=True, peers=peers)})
+                             "wire": args.wire, "coding": args.coding, "step": step,
+                             **measure(sparse, full, coders, check=True, peers=peers)})
                 log(args, rows[-1])
     finally:
         proc.close()
@@ -179,6 +197,45 @@ def rollouts(engine, tok, task, step: int, exact: bool, seed: int, prompts: int 
         s.reward = float(got == p.answer) if exact else float(len(text) % 2 == 0)
         groups.setdefault(r.id, []).append(s)
     return [Group(problems[k].id, v, problems[k]) for k, v in groups.items()]
+
+
+# --- a config's run: `rollwise train`'s own RL steps ------------------------------------------
+def config_rows(args) -> list[dict]:
+    """After each of a run's steps at each lr (from the same start each time: the config's
+    model on the bf16 grid), every coding on its trainer's weights, the sent one checked."""
+    from rollwise.config import load_config
+    from rollwise.loop.run import Run, initial_model
+    from rollwise.report.progress import Progress
+    base = load_config(args.config, args.overrides)
+    name = Path(args.config).stem
+    with tempfile.TemporaryDirectory() as tmp:
+        model0, tok = initial_model(base, load_task(base.task), Progress("quiet"))
+        model0 = model0.float()
+        to_bf16_grid(model0)
+        models.save(model0, tok, f"{tmp}/start")
+        proc = EngineProcess(model0, dtype=torch.bfloat16, seed=args.seed, wire=args.wire)
+        rows = []
+        try:
+            for lr in args.lrs:
+                cfg = load_config(args.config, [
+                    *args.overrides, f"run.init={tmp}/start", f"train.lr={lr}",
+                    "train.warmup_steps=0", "train.lr_end_factor=1.0", f"run.root={tmp}",
+                    f"run.name=sync-{lr:g}", f"train.steps={args.steps}", f"run.seed={args.seed}",
+                    "run.eval_every=1000000", "run.log=quiet", "run.report=false",
+                    "run.tensorboard=false"])
+                with Run(cfg, Progress("quiet")) as run:
+                    sparse, full, coders, peers = syncs(run.trainer, proc, args.coding)
+                    for step in range(1, args.steps + 1):
+                        t = time.perf_counter()
+                        run.step(step)
+                        rows.append({"model": name, "params": models.num_params(model0),
+                                     "lr": lr, "step": step, "wire": args.wire,
+                                     "coding": args.coding, "train_s": time.perf_counter() - t,
+                                     **measure(sparse, full, coders, check=True, peers=peers)})
+                        log(args, rows[-1])
+        finally:
+            proc.close()
+    return rows
 
 
 # --- ~0.5B model: real policy-gradient steps on short sequences ---------------------------------
@@ -242,7 +299,7 @@ def large_rows(args) -> list[dict]:
                 for n, p in model.named_parameters():
                     p.copy_(start[n])
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
-            sparse, full, pairs, peers = syncs(trainer, proc, args.coding)
+            sparse, full, coders, peers = syncs(trainer, proc, args.coding)
             for step in range(1, args.steps + 1):
                 t1 = time.perf_counter()
                 pg_step(model, opt, step, args.batch, args.vocab, args.seed)
@@ -251,10 +308,10 @@ def large_rows(args) -> list[dict]:
                 rows.append({"model": "0.5b", "params": params, "lr": lr, "step": step,
                              "wire": args.wire, "coding": args.coding,
                              "train_s": train_s,
-                             **measure(sparse, full, pairs, peers=peers,
+                             **measure(sparse, full, coders, peers=peers,
                                        check=step == args.steps or args.check_all)})
                 log(args, rows[-1])
-            del opt, sparse, full, pairs
+            del opt, sparse, full, coders
     finally:
         proc.close()
     return rows
@@ -274,6 +331,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "bytes_ratio": med("full_bytes") / med("sparse_bytes"),
                     "pairs_mb": med("pairs_bytes") / 2**20,
                     "pairs_ratio": med("full_bytes") / med("pairs_bytes"), "wire": rs[0]["wire"],
+                    **coding_summary(rs),
                     "coding": rs[0]["coding"],
                     "full_s": med("full_s"), "sparse_s": med("sparse_s"),
                     "speedup": med("full_s") / med("sparse_s"),
@@ -286,6 +344,20 @@ def summarize(rows: list[dict]) -> list[dict]:
                                    for k in rs[0]["full_parts"]},
                     **peer_summary(rs)})
     return out
+
+
+def ratio(full: float, part: float) -> float:
+    return full / part if part else float("inf")  # a step that changed nothing sends nothing
+
+
+def coding_summary(rs: list[dict]) -> dict:
+    """Per coding: median bytes and ratio to full; the coding with the fewest at every step."""
+    full = statistics.median(r["full_bytes"] for r in rs)
+    coded = {c: statistics.median(r["coding_bytes"][c] for r in rs) for c in CODINGS}
+    fewest = {min(CODINGS, key=lambda c: r["coding_bytes"][c]) for r in rs}
+    return {"coding_mb": {c: b / 2**20 for c, b in coded.items()},
+            "coding_ratio": {c: ratio(full, b) for c, b in coded.items()},
+            "smallest_coding": fewest.pop() if len(fewest) == 1 else None}
 
 
 def peer_summary(rs: list[dict]) -> dict:
@@ -301,7 +373,7 @@ def peer_summary(rs: list[dict]) -> dict:
     for name in rs[0]["peers"]:
         b = med(r["peers"][name]["bytes"] for r in rs)
         sec = med(r["peers"][name]["encode_s"] + r["peers"][name]["decode_s"] for r in rs)
-        peers[name] = {"mb": b / 2**20, "bytes_ratio": med(r["full_bytes"] for r in rs) / b,
+        peers[name] = {"mb": b / 2**20, "bytes_ratio": ratio(med(r["full_bytes"] for r in rs), b),
                        "codec_s": sec, "link_s": sec + b / LINK_BYTES_PER_S,
                        "exact": all(r["peers"][name]["exact"] for r in rs),
                        "rollwise_smaller": all(r["sparse_bytes"] < r["peers"][name]["bytes"]
@@ -333,12 +405,14 @@ def peer_table(summary: list[dict]) -> str:
 
 def table(summary: list[dict]) -> str:
     head = (f"{'model':6} {'params':>8} {'wire':>6} {'lr':>7} {'steps':>5} {'density':>8} "
-            f"{'full MB':>9} {'pairs x':>7} {'sparse MB':>9} {'bytes x':>8} {'full s':>7} "
+            f"{'full MB':>9} {'delta x':>7} {'context x':>9} {'pairs x':>7} {'sparse MB':>9} "
+            f"{'bytes x':>8} {'full s':>7} "
             f"{'sparse s':>8} {'speedup':>7} {'full@10Gb':>9} {'sparse@10Gb':>11} {'exact':>5}")
     lines = [head, "-" * len(head)]
     for s in summary:
         lines.append(f"{s['model']:6} {s['params'] / 1e6:7.1f}M {s['wire']:>6} {s['lr']:7.0e} "
                      f"{s['steps']:5d} {100 * s['density_mean']:7.3f}% {s['full_mb']:9.2f} "
+                     f"{s['coding_ratio']['delta']:7.1f} {s['coding_ratio']['context']:9.1f} "
                      f"{s['pairs_ratio']:7.1f} {s['sparse_mb']:9.3f} "
                      f"{s['bytes_ratio']:8.1f} {s['full_s']:7.3f} {s['sparse_s']:8.3f} "
                      f"{s['speedup']:7.2f} {s['full_link_s']:9.3f} {s['sparse_link_s']:11.3f} "
@@ -362,9 +436,13 @@ def floats(text: str) -> list[float]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise bench sync", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
-    p.add_argument("--lrs", type=floats, default=[1e-6, 3e-6, 1e-5], help="for the 0.5b model")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per lr, 0.5b model")
+    p.add_argument("--models", help="comma-separated: tiny, 0.5b (default: both; with "
+                                     "--config: the config's run alone)")
+    p.add_argument("--config", help="a run's config: sync after its own RL steps")
+    p.add_argument("--lrs", type=floats, default=[1e-6, 3e-6, 1e-5],
+                   help="for the 0.5b model and --config")
+    p.add_argument("--steps", type=int, default=2,
+                   help="optimizer steps per lr, 0.5b model and --config")
     p.add_argument("--batch", type=int, default=8, help="sequences per 0.5b step (groups of 4)")
     p.add_argument("--vocab", type=int, default=151936, help="0.5b vocab (Qwen2.5: 151936)")
     p.add_argument("--check-all", action="store_true",
@@ -383,17 +461,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--coding", choices=["delta", "context"], default="delta",
                    help="the sparse payload's sync.coding")
     p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="key=value for --config's run")
     args = p.parse_args(argv)
+    names = (args.models or ("" if args.config else "tiny,0.5b")).split(",")
+    if any(n not in ("tiny", "0.5b", "") for n in names):
+        p.error(f"unknown model in --models {args.models!r}; use tiny and/or 0.5b")
+    if args.overrides and not args.config:
+        p.error("key=value overrides configure a run: give --config too")
     torch.set_num_threads(args.threads)  # the engine process takes the same
     t0 = time.perf_counter()
-    rows = []
-    for name in args.models.split(","):
+    rows = config_rows(args) if args.config else []
+    for name in names:
         if name == "tiny":
             rows += tiny_rows(args)
         elif name == "0.5b":
             rows += large_rows(args)
-        else:
-            p.error(f"unknown model {name!r}; use tiny and/or 0.5b")
     summary = summarize(rows)
     if args.json:
         print(json.dumps({"summary": summary, "rows": rows,

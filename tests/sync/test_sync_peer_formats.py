@@ -80,3 +80,38 @@ def test_bench_sync_codes_the_sparse_payload_as_asked(capsys):
         sizes[coding] = (s["density_mean"], s["sparse_mb"])
     assert sizes["context"][0] == sizes["delta"][0]  # the same steps
     assert sizes["context"][1] < sizes["delta"][1] / 2
+
+
+@pytest.mark.integration
+def test_bench_sync_measures_every_coding_after_a_configs_own_steps(capsys):
+    """--config: the run's own RL steps move the weights; after each, every coding encodes the
+    same change, the sent one arrives bit-exact, and each ratio is full bytes over its own.
+    The tiny warm start earns no reward yet, so an entropy bonus on every group is what moves
+    the weights here."""
+    import json
+
+    from rollwise.bench import sync
+    from rollwise.bench.gpu_check import TINY_RUN
+    assert sync.main(["--config", "configs/default.yaml", "--lrs", "1e-4", "--steps", "2",
+                      "--coding", "context", "--json", *TINY_RUN, "train.entropy_coef=0.01",
+                      "filter.drop_equal_reward_groups=false",
+                      "train.skip_zero_advantage=false"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    s, = out["summary"]
+    assert s["model"] == "default" and s["steps"] == 2 and s["bit_exact"]
+    for row in out["rows"]:
+        assert row["density"] > 0 and row["train_s"] > 0
+        assert row["coding_bytes"]["context"] == row["sparse_bytes"]
+        assert set(row["coding_bytes"]) == set(sync.CODINGS)
+        assert all(b > 0 for b in row["coding_bytes"].values())
+        assert row["sparse_bytes"] < row["full_bytes"]
+    for c in sync.CODINGS:
+        assert s["coding_ratio"][c] == pytest.approx(s["full_mb"] / s["coding_mb"][c])
+    smallest = {min(sync.CODINGS, key=r["coding_bytes"].get) for r in out["rows"]}
+    assert s["smallest_coding"] == (smallest.pop() if len(smallest) == 1 else None)
+
+
+def test_bench_sync_refuses_overrides_without_a_config():
+    from rollwise.bench import sync
+    with pytest.raises(SystemExit):
+        sync.main(["--models", "tiny", "train.lr=1e-5"])
