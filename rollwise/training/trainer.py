@@ -260,13 +260,19 @@ class Trainer:
         self._pack_checked = True
         rows = torch.arange(min(batch.size, 64))
         sub = batch.select(rows)
-        gap = float(((packed_logp[rows, :sub.loss_mask.shape[1]] - token_logprobs(model, sub)[0])
-                     .abs() * sub.loss_mask).max())
-        # float rounding only: a model that ignores the mask is off by O(1); bf16 rounds coarser
-        tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+        gaps = (packed_logp[rows, :sub.loss_mask.shape[1]] - token_logprobs(model, sub)[0]).abs()
+        gaps = gaps[sub.loss_mask.bool()]
+        # Float rounding only, or a model that ignores the mask (off by O(1) on most tokens). In
+        # fp32 every token agrees to 1e-3. In bf16 the two layouts round differently: on
+        # SmolLM2-135M a mean of 0.03 (largest 0.22) against 1.3 for a model ignoring the mask,
+        # so the mean is what tells them apart there.
+        fp32 = next(model.parameters()).dtype == torch.float32
+        gap, what, tol = ((float(gaps.max()), "at most", 1e-3) if fp32
+                          else (float(gaps.mean()), "on average", 0.1))
         if not gap <= tol:
             warnings.warn(f"train.pack_prompts: packed and padded log-probabilities differ by "
-                          f"{gap:.2g} with this model; training without packing", RuntimeWarning)
+                          f"{gap:.2g} {what} with this model; training without packing",
+                          RuntimeWarning)
             self._pack = False
         return self._pack
 
