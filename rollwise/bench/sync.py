@@ -458,7 +458,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per process (1: the CPU is shared; OpenMP's barriers "
                         "stall when its threads cannot all run)")
-    p.add_argument("--coding", choices=["delta", "context"], default="delta",
+    p.add_argument("--coding", choices=["delta", "context"], default="context",
                    help="the sparse payload's sync.coding")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key=value for --config's run")

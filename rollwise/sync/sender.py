@@ -42,7 +42,7 @@ Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 arena the transport c
 
 class Sender:
     def __init__(self, spec: dict[str, TensorSpec], *, keep_mirror: bool, with_checksum: bool,
-                 bucket_bytes: int, coding: str = "delta"):
+                 bucket_bytes: int, coding: str = "context"):
         if coding not in ("delta", "context", "pairs"):
             raise ValueError(f"sync coding {coding!r}: use 'delta', 'context' or 'pairs'")
         self.coding = coding

@@ -4,7 +4,8 @@
     metrics = sync.push()    # sync/bytes, sync/density, sync/seconds, sync/sparse, ...
 
 `sync.mode=sparse` ships SparseRL-Sync payloads (only the changed elements, exactly; with
-`sync.coding=delta`, index gaps and bit differences coded in ~1.3 bytes per change) and
+the default `sync.coding=context`, index gaps and bit differences Rice-coded per exponent
+group, ~0.5 bytes per change at a low lr) and
 falls back to a full payload, as a whole, for a new engine or one that refuses the base version
 or fails the checksum; `sync.check=true` also compares the engine's weights with the trainer's
 bit for bit after every sync.
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 class WeightSync:
     def __init__(self, trainer, transport: Transport, *, mode: str = "full",
                  with_checksum: bool = True, check: bool = False, bucket_mb: float = 512,
-                 coding: str = "delta"):
+                 coding: str = "context"):
         if mode not in ("full", "sparse"):
             raise ValueError(f"sync mode {mode!r}: use 'full' or 'sparse'")
         self.trainer, self.transport = trainer, transport

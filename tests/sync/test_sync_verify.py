@@ -122,15 +122,19 @@ def test_push_falls_back_to_full_for_a_restarted_engine(tiny):
     assert sync.totals["fallbacks"] == 1
 
 
-def test_a_corrupted_payload_fails_its_checksum_and_marks_the_engine(tiny):
-    trainer, engine, sync = setup(tiny)
+@pytest.mark.parametrize("coding, refused", [
+    ("delta", "differ from the trainer's"),  # a well-formed payload: the checksum sees it
+    ("context", "differ from the trainer's|context-coded blob"),  # or the decoder does
+])
+def test_a_corrupted_payload_fails_its_checksum_and_marks_the_engine(tiny, coding, refused):
+    trainer, engine, sync = setup(tiny, coding=coding)
     sync.push()
     trainer.step()
     meta, arena = sync.sender.encode(trainer.weights(), trainer.version,
                                      sync.transport.alloc, full=False)
     values, _ = next(iter(entry_views(meta, arena).values()))
     values.view(torch.int16)[0] ^= 1  # one flipped bit in transit
-    with pytest.raises(ChecksumError, match="differ from the trainer's"):
+    with pytest.raises((ChecksumError, CorruptPayloadError), match=refused):
         sync.transport.apply(meta, arena)
     assert engine.version == -1  # no token will carry a version these weights do not have
     sync.sender.version = 1  # even a sender that believes the engine is current is refused
@@ -152,7 +156,8 @@ def test_weights_changed_behind_the_syncs_back_are_repaired(tiny):
 
 
 def test_check_mode_compares_every_weight(tiny):
-    trainer, engine, sync = setup(tiny, lr=1e-5, with_checksum=False, check=True)
+    trainer, engine, sync = setup(tiny, lr=1e-5, with_checksum=False, check=True,
+                                  coding="delta")
     sync.push()
     trainer.step()
     sync.push()  # passes: the engine equals the trainer
@@ -160,6 +165,25 @@ def test_check_mode_compares_every_weight(tiny):
     stray_write(engine, trainer, "model.embed_tokens.weight")  # tied: lm_head too
     with pytest.raises(WeightMismatchError, match="model.embed_tokens.weight"):
         sync.push()
+
+
+def test_a_stray_write_under_the_context_coding_is_refused_or_repaired(tiny):
+    """The context coding decodes against the engine's own values, so a stray write there can
+    also make the payload undecodable: then the sync falls back to a full payload, which
+    repairs it. Either way the stray write does not go unseen."""
+    trainer, engine, sync = setup(tiny, lr=1e-5, with_checksum=False, check=True,
+                                  coding="context")
+    sync.push()
+    trainer.step()
+    sync.push()
+    trainer.step()
+    stray_write(engine, trainer, "model.embed_tokens.weight")
+    try:
+        m = sync.push()
+    except WeightMismatchError:
+        return
+    assert m["sync/fallback_full"] == 1.0
+    assert_engine_is_trainer(engine, trainer)
 
 
 def test_a_full_payload_missing_a_tensor_is_refused_before_any_write(tiny):
