@@ -65,7 +65,12 @@ class ModelConfig(Section):
     num_kv_heads: int = Field(2, gt=0)
     intermediate_size: int = Field(512, gt=0)
     max_positions: int = Field(64, gt=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """The weights' dtype for the trainer and (sync.engine_dtype=same) the engine. bfloat16 and
+    float16 train with float32 master weights and optimizer state. auto: bfloat16 where
+    run.device multiplies it natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX,
+    where bf16 products run at about twice float32's rate), else float32; the run's saved
+    config records which."""
 
 
 class TaskConfig(Section):
@@ -869,6 +874,13 @@ class Config(Section):
     sync: SyncConfig = SyncConfig()
     loop: LoopConfig = LoopConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _resolve_auto_dtype(self):
+        if self.model.dtype == "auto":
+            from rollwise.devices import native_bf16  # torch: only when asked for
+            self.model.dtype = "bfloat16" if native_bf16(self.run.device) else "float32"
+        return self
 
 
 class ConfigError(ValueError):

@@ -27,6 +27,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if has_cuda else "cpu")
 
 
+def native_bf16(device: str) -> bool:
+    """Whether run.device (auto, cpu, cuda) multiplies bfloat16 in hardware: a CUDA GPU that
+    supports it, or an x86 CPU with AVX512-BF16 or AMX (oneDNN's bf16 kernels). Elsewhere
+    bf16 is emulated and slower than float32, so auto keeps float32."""
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(torch.backends.mkldnn.is_available() and
+                (caps.get("avx512_bf16") or caps.get("amx_bf16")))
+
+
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameters (malloc.h)
 
 

@@ -165,3 +165,27 @@ def test_a_plugin_registered_by_name_validates_and_resolves():
     cfg = load_config(None, ["control.selector=first_n_test"])
     assert registry.resolve("selector", cfg.control.selector)(cfg).select(
         [1, 2, 3], 2, __import__("random").Random(0))
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_takes_bf16_only_where_the_device_has_it(monkeypatch, native, expected):
+    import rollwise.devices as devices
+    seen = []
+    monkeypatch.setattr(devices, "native_bf16", lambda d: seen.append(d) or native)
+    cfg = load_config(None, ["model.dtype=auto", "run.device=cpu"])
+    assert (cfg.model.dtype, seen) == (expected, ["cpu"])
+    assert "dtype: " + expected in dump_config(cfg)  # a run's saved config says which
+    assert load_config(None, ["model.dtype=float16"]).model.dtype == "float16"  # asked: kept
+
+
+@pytest.mark.parametrize("caps, expected", [
+    ({"avx512_bf16": True, "amx_bf16": False}, True),
+    ({"avx512_bf16": False, "amx_bf16": True}, True),
+    ({"avx512_bf16": False, "amx_bf16": False, "avx512_f": True}, False),  # emulated: slower
+    ({}, False)])
+def test_native_bf16_on_a_cpu_reads_its_instruction_sets(monkeypatch, caps, expected):
+    import torch
+
+    from rollwise.devices import native_bf16
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert native_bf16("cpu") is expected

@@ -89,13 +89,14 @@ def build_trainer(cfg: Config, model, pad_id: int):
 def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None = None):
     if inputs is not None and inputs.model is not None:
         progress.log(f"initial model: {type(inputs.model).__name__} given in Python")
-        return inputs.model.to(models.DTYPES[cfg.model.dtype]), inputs.tokenizer
+        return (models.to_dtype(inputs.model, cfg.model.dtype, for_training=True),
+                inputs.tokenizer)
     if cfg.run.init:
         progress.log(f"initial model: {cfg.run.init}")
-        return models.load_model(cfg.run.init, cfg.model.dtype)
+        return models.load_model(cfg.run.init, cfg.model.dtype, for_training=True)
     if cfg.model.path:
         progress.log(f"initial model: {cfg.model.path}")
-        return models.load_model(cfg.model.path, cfg.model.dtype)
+        return models.load_model(cfg.model.path, cfg.model.dtype, for_training=True)
     return warm_start(cfg, task, log=progress.log)
 
 

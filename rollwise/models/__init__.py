@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import weakref
 from pathlib import Path
 
 import torch
@@ -31,6 +32,39 @@ hf_logging.disable_progress_bar()  # no per-save/load bars in the run's progress
 CHARSET = "0123456789+-*=;#.,:?() abcdefghijklmnopqrstuvwxyz"
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FULL_PRECISION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def to_dtype(model, dtype: str, for_training: bool = False):
+    """The model in `dtype`. for_training: a cast from float32 to bf16 or fp16 keeps the
+    float32 values it rounded away, by parameter name, until take_full_precision(model) takes
+    them: the trainer's master weights start from them (rollwise.training.precision says
+    why). Without it nothing is kept (an engine or an evaluation has no use for them)."""
+    full = {n: p.detach() for n, p in model.named_parameters()
+            if p.dtype == torch.float32} if for_training else {}
+    _cast(model, DTYPES[dtype])  # swaps each parameter's data: `full` keeps the old
+    if DTYPES[dtype] != torch.float32 and full:
+        _FULL_PRECISION[model] = full
+    return model
+
+
+@torch.no_grad()
+def _cast(model, dtype: torch.dtype) -> None:
+    """Parameters and saved floating buffers to dtype, as transformers' loading in a dtype
+    does. Buffers that are not saved (rotary inv_freq) stay as computed, in float32: in bf16
+    they would shift every position's rotation (model.to(bf16) casts them too)."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point() and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = b.to(dtype)
+
+
+def take_full_precision(model) -> dict[str, torch.Tensor] | None:
+    """The float32 values to_dtype kept for this model, handed over once (None if none)."""
+    return _FULL_PRECISION.pop(model, None)
 
 
 def char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
@@ -52,7 +86,7 @@ def tiny_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int):
                   pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None)
     config = Qwen2Config(**common) if cfg.arch == "qwen2" else LlamaConfig(**common)
     model = AutoModelForCausalLM.from_config(config)
-    return model.to(DTYPES[cfg.dtype])
+    return to_dtype(model, cfg.dtype)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -86,14 +120,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return _from_pretrained(PreTrainedTokenizerFast, resolve_path(path))
 
 
-def load_model(path: str | Path, dtype: str = "float32"):
+def load_model(path: str | Path, dtype: str = "float32", for_training: bool = False):
     """A model folder, catalog name or hub id; a LoRA adapter folder (what a run with
-    train.lora saves) loads as its base model with the adapter merged in."""
+    train.lora saves) loads as its base model with the adapter merged in (in `dtype`, so
+    nothing is kept for training). for_training: see to_dtype."""
     where = resolve_path(path)
     if is_adapter(where):
         return merged_adapter(where, dtype), load_tokenizer(where)
-    model = _from_pretrained(AutoModelForCausalLM, where, dtype=DTYPES[dtype])
-    return model, load_tokenizer(where)
+    model = _from_pretrained(AutoModelForCausalLM, where, dtype="auto")  # the saved dtype
+    return to_dtype(model, dtype, for_training), load_tokenizer(where)
 
 
 def model_config(path: str | Path):

@@ -50,13 +50,17 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny, groups,
         assert len(shapes) > 2 and all(r * t <= budget or r == 1 for r, t in shapes)
 
 
-def test_gradient_checkpointing_gives_the_same_gradient(tiny, groups):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_checkpointing_gives_the_same_gradient(tiny, groups, dtype):
+    """The recomputed forward is the stored one, in bf16 too (the real model's CPU default)."""
     model, tok = tiny
+    model = copy.deepcopy(model).to(dtype)
     plain, m_plain, _ = one_update(model, tok, groups)
     ckpt_grad, m_ckpt, _ = one_update(model, tok, groups, gradient_checkpointing=True)
     trainer = Trainer(copy.deepcopy(model), TrainConfig(gradient_checkpointing=True),
                       pad_id=tok.pad_token_id)
     assert trainer.model.is_activation_checkpointing  # it is on, so the equality means something
+    assert plain.abs().max() > 0
     assert (ckpt_grad - plain).abs().max() <= 1e-5 * plain.abs().max()
     assert m_ckpt["train/loss"] == pytest.approx(m_plain["train/loss"], rel=1e-5)
 
@@ -103,3 +107,75 @@ def test_master_weights_survive_a_checkpoint(tiny, groups):
     a.update(clone(groups))
     b.update(clone(groups))
     assert all(torch.equal(x, y) for x, y in zip(a.master.params(), b.master.params()))
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().float().flatten() for t in tensors])
+
+
+def policy_follows_master(trainer, groups) -> float:
+    """The slope of the policy's (the bf16 cast's) movement on the master's over one update:
+    1 when the cast moves with the master on average, near 0 when rounding holds it still."""
+    cast, master = flat(trainer.model.parameters()), flat(trainer.master.params())
+    trainer.update(clone(groups))
+    d_cast = flat(trainer.model.parameters()) - cast
+    d_master = flat(trainer.master.params()) - master
+    return ((d_cast * d_master).sum() / (d_master * d_master).sum()).item()
+
+
+def test_bf16_masters_start_from_the_float32_values_the_model_was_cast_from(tiny, groups):
+    """Started from the bf16 cast, every master sits on the bf16 grid and an update smaller
+    than half a grid step moves no weight of the policy; started from the float32 values it
+    was cast from, the cast follows the master from the first step."""
+    from rollwise import models
+    model, tok = tiny
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = 1e-5  # Adam's first step moves each weight by about lr: under half a bf16 step here
+
+    kept = models.to_dtype(copy.deepcopy(model), "bfloat16", for_training=True)
+    a = Trainer(kept, TrainConfig(lr=lr, minibatches=1), pad_id=tok.pad_token_id)
+    assert models.take_full_precision(kept) is None  # handed over once, to the trainer
+    for (name, p), m in zip(a.model.named_parameters(), a.master.params()):
+        assert torch.equal(m, full[name])  # the float32 values, not their cast
+        assert torch.equal(p, m.to(torch.bfloat16))  # and the model holds their cast
+
+    cast = models.to_dtype(copy.deepcopy(model), "bfloat16")  # nothing kept
+    b = Trainer(cast, TrainConfig(lr=lr, minibatches=1), pad_id=tok.pad_token_id)
+    assert all(torch.equal(m, m.to(torch.bfloat16).float()) for m in b.master.params())
+
+    assert torch.equal(flat(a.model.parameters()), flat(b.model.parameters()))  # same policy
+    assert 0.8 < policy_follows_master(a, groups) < 1.25  # measured 1.005
+    assert policy_follows_master(b, groups) < 0.2  # measured 0.057
+    for p, m in zip(a.model.parameters(), a.master.params()):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
+def test_full_precision_values_that_no_longer_match_the_model_are_not_used(tiny):
+    from rollwise import models
+    from rollwise.training.precision import MasterWeights
+    model, _ = tiny
+    low = models.to_dtype(copy.deepcopy(model), "bfloat16", for_training=True)
+    first = next(low.parameters())
+    with torch.no_grad():
+        first.add_(1.0)  # changed after the cast: its kept float32 value is stale
+    master = MasterWeights.of(low)
+    assert all(torch.equal(p, m.to(torch.bfloat16))
+               for p, m in zip(low.parameters(), master.params()))
+    assert models.take_full_precision(models.to_dtype(copy.deepcopy(model), "bfloat16")) is None
+
+
+def test_a_bf16_run_from_a_float32_folder_starts_its_masters_from_the_folder(tmp_path):
+    from rollwise import models
+    from rollwise.config import ModelConfig, load_config
+    from rollwise.loop.run import Run
+    from rollwise.report.progress import Progress
+    model, tok = models.build(ModelConfig(hidden_size=32, num_layers=1, num_heads=2,
+                                          num_kv_heads=1, intermediate_size=64), seed=0)
+    models.save(model, tok, tmp_path / "init")
+    cfg = load_config(None, [f"model.path={tmp_path / 'init'}", "model.dtype=bfloat16",
+                             "task.eval_size=4", f"run.root={tmp_path}", "run.log=quiet"])
+    with Run(cfg, Progress("quiet", 1)) as run:
+        saved = dict(model.named_parameters())
+        names = [n for n, _ in run.trainer.model.named_parameters()]
+        assert run.trainer.model.dtype == torch.bfloat16
+        assert all(torch.equal(m, saved[n]) for n, m in zip(names, run.trainer.master.params()))
