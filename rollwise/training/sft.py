@@ -100,7 +100,7 @@ def warm_start(cfg: Config, task: Task, log=print, eval_fn=None):
     path = cache_path(cfg, examples)
     if (path / "config.json").exists():
         log(f"warm start: cached at {path}")
-        return models.load_model(path, cfg.model.dtype)
+        return models.load_model(path, cfg.model.dtype, for_training=True)
     model, tok = models.build(cfg.model, seed=cfg.run.seed)
     log(f"warm start: {models.num_params(model) / 1e6:.2f}M-parameter model, "
         f"{cfg.sft.steps} SFT steps (cached afterwards at {path})")
