@@ -31,6 +31,7 @@ import torch
 
 from rollwise import models
 from rollwise.bench.e2e_trl import run_trl as trl_train
+from rollwise.bench.e2e_trl import trl_precision
 from rollwise.config import Config, dump_config, load_config
 from rollwise.engine import BuiltinEngine
 from rollwise.evaluate import evaluate
@@ -229,6 +230,8 @@ def main(argv: list[str]) -> int:
     base = [*DEFAULTS, f"run.threads={args.threads}", *args.overrides,
             f"train.steps={args.steps}", f"run.root={args.root}"]
     warm_cfg = load_config(args.config, [*base, f"run.seed={args.warm_seed}"])
+    if args.vs == "trl":
+        trl_precision(warm_cfg)  # a precision TRL cannot match stops here, before any run
     warm = warm_model(warm_cfg, log)
     log(f"shared warm start: {warm}")
     results, t0 = [], time.time()

@@ -6,7 +6,8 @@ same chat template and generation prompt, or the same plain text), the reward (r
 scorer for the config's ground-truth verifier: exact, math, ...), group size, prompts per step,
 optimizer steps per generation batch (rollwise's train.minibatches), AdamW and its
 learning-rate schedule, gradient clipping, clip range, GRPO advantages (group std scaling) and
-sequence-mean-token-mean loss ("grpo"), temperature, max new tokens, no KL (beta=0).
+sequence-mean-token-mean loss ("grpo"), temperature, max new tokens, no KL (beta=0),
+precision (model.dtype: bf16 mixed precision or float32) and activation checkpointing.
 Held-out pass@1 is measured by rollwise's evaluate() on a copy of TRL's model.
 
 TRL counts optimizer steps; one rollwise step (one generation batch) is
@@ -55,13 +56,24 @@ def trl_batch_args(cfg: Config, micro_batch: int | None = None) -> dict:
             "gradient_accumulation_steps": per_step // micro}
 
 
-def no_checkpointing(config_cls) -> dict:
-    """Activation checkpointing off (TRL turns it on; rollwise recomputes nothing): the
-    field is `activation_checkpointing` from transformers 5, `gradient_checkpointing` before."""
+def checkpointing(config_cls, on: bool) -> dict:
+    """Activation checkpointing as rollwise's train.gradient_checkpointing (TRL turns it on
+    by default): the field is `activation_checkpointing` from transformers 5,
+    `gradient_checkpointing` before."""
     names = {f.name for f in dataclasses.fields(config_cls)}
     key = "activation_checkpointing" if "activation_checkpointing" in names \
         else "gradient_checkpointing"
-    return {key: False}
+    return {key: on}
+
+
+def trl_precision(cfg: Config) -> dict:
+    """TRL's precision matching rollwise's model.dtype: for bfloat16, its bf16 mixed
+    precision (float32 weights, bf16 autocast), as rollwise trains bf16 weights on float32
+    masters; float32 otherwise."""
+    if cfg.model.dtype == "float16":
+        raise ValueError("bench e2e --vs trl: TRL's trainer has no float16 on a CPU; set "
+                         "model.dtype=bfloat16 or float32")
+    return {"bf16": cfg.model.dtype == "bfloat16"}
 
 
 def make_reward(task, scorer):
@@ -120,14 +132,15 @@ def run_trl(cfg: Config, task, warm_dir: Path, out_dir: Path, eval_fn, prompter,
     tok = PreTrainedTokenizerFast.from_pretrained(str(warm_dir))
     data = Dataset.from_dict(trl_prompts(task, prompter))
     args = GRPOConfig(
-        output_dir=str(out_dir / "trl"), use_cpu=True, bf16=False, use_vllm=False,
+        output_dir=str(out_dir / "trl"), use_cpu=True, **trl_precision(cfg), use_vllm=False,
         seed=cfg.run.seed, max_steps=cfg.train.steps * mb, **batch,
         learning_rate=cfg.train.lr, weight_decay=cfg.train.weight_decay,
         max_grad_norm=cfg.train.grad_clip, max_completion_length=cfg.generate.max_new_tokens,
         temperature=cfg.generate.temperature, top_p=cfg.generate.top_p,
         top_k=cfg.generate.top_k, beta=0.0, num_iterations=cfg.train.epochs,
         epsilon=cfg.train.clip_low, epsilon_high=cfg.train.clip_high, loss_type="grpo",
-        scale_rewards="group", mask_truncated_completions=False, **no_checkpointing(GRPOConfig),
+        scale_rewards="group", mask_truncated_completions=False,
+        **checkpointing(GRPOConfig, cfg.train.gradient_checkpointing),
         remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
     reward = make_reward(task, eval_scorer(cfg.filter, task))

@@ -2,6 +2,7 @@
 arithmetic checked by TRL's own GRPOConfig, the reward by rollwise's scorer, the learning-rate
 schedule by rollwise's Trainer), and the timing summary. A marked slow test runs TRL."""
 
+import dataclasses
 import json
 import math
 
@@ -203,3 +204,23 @@ def test_trl_sees_the_prompt_ids_rollwise_generates_from(tmp_path):
     plain = Prompter(TaskConfig(chat_template="off"), tok)
     for text, p in zip(trl_prompts(task, plain)["prompt"], task.train):
         assert tok(text)["input_ids"] == plain.encode(p.prompt)
+
+
+@pytest.mark.parametrize("dtype, bf16", [("float32", False), ("bfloat16", True)])
+def test_trl_trains_in_the_precision_and_checkpointing_rollwise_does(dtype, bf16):
+    from rollwise.bench.e2e_trl import checkpointing, trl_precision
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+    cfg = load_config(None, [f"model.dtype={dtype}", "train.gradient_checkpointing=true"])
+    assert trl_precision(cfg) == {"bf16": bf16}
+    on = checkpointing(GRPOConfig, cfg.train.gradient_checkpointing)
+    assert list(on.values()) == [True] and set(on) <= {f.name for f in
+                                                       dataclasses.fields(GRPOConfig)}
+    assert list(checkpointing(GRPOConfig, False).values()) == [False]
+
+
+def test_a_precision_trl_cannot_match_stops_before_any_run(capsys, monkeypatch):
+    monkeypatch.setattr(e2e, "_require_trl", lambda: None)
+    monkeypatch.setattr(e2e, "warm_model", lambda *a: pytest.fail("work started"))
+    with pytest.raises(ValueError, match="float16.*bfloat16 or float32"):
+        e2e.main(["--vs", "trl", "model.dtype=float16"])
