@@ -8,7 +8,8 @@ generate.group_size, the task's own prompts, responses of --response-len tokens 
 long-tailed), the same batch for every arm, through Trainer.update: the old-log-prob pass and
 the gradient steps. An arm is a dtype (fp32: float32 parameters; bf16: bfloat16 parameters with
 float32 master weights and optimizer) with options: +ckpt (gradient checkpointing), +mbN
-(train.max_tokens_per_microbatch = N), +nopack (train.pack_prompts off). Each arm runs in its
+(train.max_tokens_per_microbatch = N), +nopack (train.pack_prompts off); checkpointing is off
+unless the arm names it, whatever the config sets. Each arm runs in its
 own process (peak memory is per process), warm-up update first, then the median of --repeats.
 
 Reported per arm: trained tokens/s (prompt and response tokens through the passes), the
@@ -39,7 +40,7 @@ def arm_settings(arm: str) -> tuple[torch.dtype, dict]:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if name not in dtypes:
         raise ValueError(f"arm {arm!r}: start with fp32 or bf16")
-    extra: dict = {}
+    extra: dict = {"gradient_checkpointing": False}  # the arm's own, not the config's
     for opt in options:
         if opt == "ckpt":
             extra["gradient_checkpointing"] = True
@@ -91,9 +92,8 @@ def run_arm(args) -> dict:
     from rollwise.training.trainer import Trainer
     torch.set_num_threads(args.threads)
     dtype, extra = arm_settings(args.arm)
-    cfg = load_config(args.config)
-    model, tok = models.build(cfg.model)
-    model = model.to(dtype)
+    cfg = load_config(args.config, [f"model.dtype={str(dtype).removeprefix('torch.')}"])
+    model, tok = models.build(cfg.model)  # loaded in the arm's dtype, not the config's
     train_cfg = TrainConfig(**{**cfg.train.model_dump(),
                                "correction": {"snapshots": 0}, "kl_coef": 0.0, **extra})
     trainer = Trainer(model, train_cfg, pad_id=tok.pad_token_id or 0)

@@ -62,6 +62,13 @@ def test_bench_trainer_refuses_a_bad_arm_before_any_run(tiny_config):
         trainer.arm_settings("fp16")
 
 
+def test_an_arm_uses_what_it_names_not_the_configs_defaults():
+    import torch
+    assert trainer.arm_settings("bf16") == (torch.bfloat16, {"gradient_checkpointing": False})
+    assert trainer.arm_settings("fp32+ckpt+mb512") == (
+        torch.float32, {"gradient_checkpointing": True, "max_tokens_per_microbatch": 512})
+
+
 @pytest.mark.integration
 def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     """What CI runs of scripts/gpu_check.sh: the tiny model on the CPU, every part passing."""

@@ -50,11 +50,12 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny, groups,
         assert len(shapes) > 2 and all(r * t <= budget or r == 1 for r, t in shapes)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gradient_checkpointing_gives_the_same_gradient(tiny, groups, dtype):
     """The recomputed forward is the stored one, in bf16 too (the real model's CPU default)."""
+    from rollwise import models
     model, tok = tiny
-    model = copy.deepcopy(model).to(dtype)
+    model = models.to_dtype(copy.deepcopy(model), dtype)
     plain, m_plain, _ = one_update(model, tok, groups)
     ckpt_grad, m_ckpt, _ = one_update(model, tok, groups, gradient_checkpointing=True)
     trainer = Trainer(copy.deepcopy(model), TrainConfig(gradient_checkpointing=True),
@@ -161,6 +162,9 @@ def test_full_precision_values_that_no_longer_match_the_model_are_not_used(tiny)
     master = MasterWeights.of(low)
     assert all(torch.equal(p, m.to(torch.bfloat16))
                for p, m in zip(low.parameters(), master.params()))
+    full = [p.detach() for p in model.parameters()]
+    assert not torch.equal(master.params()[0], full[0])  # the stale one: from the model
+    assert all(torch.equal(m, f) for m, f in zip(master.params()[1:], full[1:]))  # the rest
     assert models.take_full_precision(models.to_dtype(copy.deepcopy(model), "bfloat16")) is None
 
 
