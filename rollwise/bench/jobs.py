@@ -32,12 +32,14 @@ def _guarded(fn: Callable[..., dict], job: tuple, label: dict) -> dict:
 
 
 def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
-            label: Callable[[tuple], dict]) -> tuple[list[dict], list[dict]]:
+            label: Callable[[tuple], dict], append: bool = False
+            ) -> tuple[list[dict], list[dict]]:
     """fn(*job) for every job (fn a module-level function, for the worker processes), n_jobs
     side by side. label(job) names a job in its failure record. Returns (finished results,
-    failure records), in the order they finished."""
+    failure records), in the order they finished. The log starts empty unless `append`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
+    if not append or not log.exists():
+        log.write_text("")
     results = []
 
     def keep(r: dict) -> None:
@@ -85,10 +87,11 @@ BENCH_RUN = ["train.lr_end_factor=1.0", "run.log=quiet", "run.report=false",
 
 
 def train_to_budget(config: str | None, overrides: list[str], tokens: float, eval_every: int,
-                    observe: Callable | None = None) -> dict:
+                    observe: Callable | None = None, eval_tokens: float | None = None) -> dict:
     """Build a Run and step it until `tokens` generated tokens are decoded, evaluating
-    held-out pass@1 at the start, every `eval_every` steps and at the end (not timed);
-    observe(run, step_result, metrics) after each step. Returns its steps, tokens,
+    held-out pass@1 at the start, every `eval_every` steps (or, with eval_tokens, after the
+    first step that passes each further eval_tokens decoded tokens) and at the end (not
+    timed); observe(run, step_result, metrics) after each step. Returns its steps, tokens,
     seconds (generation + training) and the curve of {step, tokens, seconds, pass1}."""
 
     with Run(load_config(config, overrides + ["train.steps=100000"]), Progress("quiet")) as run:
@@ -103,7 +106,9 @@ def train_to_budget(config: str | None, overrides: list[str], tokens: float, eva
             used += m["tokens/decoded"]
             if observe:
                 observe(run, r, m)
-            if step % eval_every == 0 or used >= tokens:
+            due = (used // eval_tokens > (used - m["tokens/decoded"]) // eval_tokens
+                   if eval_tokens else step % eval_every == 0)
+            if due or used >= tokens:
                 curve.append({"step": step, "tokens": used, "seconds": seconds,
                               "pass1": run.evaluate()["eval/pass1"]})
         return {"steps": step, "tokens": used, "seconds": seconds, "curve": curve}

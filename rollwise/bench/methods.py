@@ -1,0 +1,388 @@
+"""The rollout methods against their baselines on any task config, at an equal budget of
+generated tokens.
+
+    rollwise bench methods [--config configs/smollm2.yaml] [--arms latr,arrol,...]
+                           [--seeds 0 1 2] [--tokens N] [--eval-tokens N] [--gain G]
+                           [--json] [key=value ...]
+
+Every arm starts from the same warm start (the config's model.path, or its SFT warm start, or
+--init), decodes the same budget of generated tokens (the engine's decoded tokens: pruned
+branches, aborted tails and sGPO's profiling pass count; DUET-50 gets half) and is evaluated on
+the same held-out set, greedy pass@1, after each further --eval-tokens decoded tokens and at the
+end (evaluation is not timed). The target is the warm start's pass@1 plus --gain for every arm.
+
+Arms and what each is paired with (a baseline is added when an arm needs it):
+
+| arm | settings | baseline | headline key |
+|---|---|---|---|
+| grpo | i.i.d. groups of generate.group_size | - | - |
+| latr | generate.strategy=latr | grpo | latr_tokens_to_target_ratio, latr_mixed_share_ratio |
+| arrol | control.inflight=arrol | grpo | arrol_speedup (GRPO's tokens to target / ARRoL's) |
+| duet50 | control.inflight=duet at 50 % of the budget | grpo | duet50_pass1_delta |
+| sgpo | control.group_size=sgpo | grpo | sgpo_compute_ratio |
+| dars | control.group_size=dars | grpo | dars_compute_ratio |
+| april | control.inflight=april | grpo | april_seconds_ratio (seconds to target) |
+| ttrl | filter.reward=majority (labels never read) | - | - |
+| echo_ttrl | ECHO trees, token shaping and adaptive clip, majority reward | ttrl | echo_ttrl_pass1_delta, echo_label_acc_delta |
+| dynamic | DAPO dynamic sampling on a recurring pool (--pool) | - | - |
+| dps | DPS prompt selection on the same pool | dynamic | dps_rollouts_ratio |
+
+The two TTRL arms report sampled pass@1 (4 draws at T = 1; greedy decoding already picks the
+majority's answer). Thresholds that depend on the model (LATR's tau and ages, ECHO's entropy
+and confidence thresholds, ARRoL's checkpoint, DUET's marker and horizon) are set once, before
+any arm runs, by the documented rules of rollwise.bench.warm_profile from a profiling pass on
+the warm start: one sampled response per training prompt (--profile-prompts). The choices and
+the statistics behind them are in the JSON ("profile").
+
+Each finished run is appended to <root>/runs.jsonl at once; a later call with the same settings
+reuses the runs there (--fresh starts over), so a long comparison can be run arm by arm.
+Reported per arm (median over seeds): tokens, seconds and steps to the target (a run that
+misses it counts its whole budget, reached: false), final pass@1, and each method's own
+diagnostics: mixed-group share, distinct answers per group, forks, pruned branches and prefix
+tokens saved (trees), the quality head's AUC over training (ARRoL), aborts per rollout
+(ARRoL, DUET), group sizes (sGPO, DARS), rollouts to target (DPS), pseudo-label accuracy (TTRL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from rollwise.bench import warm_profile
+from rollwise.bench.jobs import (
+    BENCH_RUN,
+    execute,
+    first_reach,
+    print_keys_and_failures,
+    train_to_budget,
+    warm_start_folder,
+)
+from rollwise.bench.trees import distinct_answers
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2.yaml")
+TTRL = ["filter.reward=majority", "run.eval_samples=4", "run.eval_temperature=1.0"]
+# arm -> (baseline arm, overrides, the profile's methods whose choices it takes)
+ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
+    "grpo": (None, ["generate.strategy=group"], []),
+    "latr": ("grpo", ["generate.strategy=latr"], ["latr"]),
+    "arrol": ("grpo", ["control.inflight=arrol"], ["arrol"]),
+    "duet50": ("grpo", ["control.inflight=duet", "control.duet.budget=0.5"], ["duet"]),
+    "sgpo": ("grpo", ["control.group_size=sgpo"], []),
+    "dars": ("grpo", ["control.group_size=dars"], []),
+    "april": ("grpo", ["control.inflight=april"], []),
+    "ttrl": (None, ["generate.strategy=group"] + TTRL, []),
+    "echo_ttrl": ("ttrl", ["generate.strategy=echo", "train.token_shaping=echo",
+                           "train.adaptive_clip=echo"] + TTRL, ["echo"]),
+    "dynamic": (None, ["control.dynamic_sampling=true"], []),
+    "dps": ("dynamic", ["control.selector=dps"], []),
+}
+BUDGET_SHARE = {"duet50": 0.5}
+POOLED = {"dynamic", "dps"}  # arms on a recurring prompt pool (--pool)
+
+
+def with_baselines(arms: list[str]) -> list[str]:
+    """The arms in the order given, each preceded by its baseline when not already there."""
+    out: list[str] = []
+    for a in arms:
+        base = ARMS[a][0]
+        if base and base not in out:
+            out.append(base)
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def warm_start_of(config: str | None, overrides: list[str], root: str,
+                  init: str | None) -> str | None:
+    """The folder every arm starts from: --init, else None when the config names a
+    pretrained model (model.path, loaded as is), else its SFT warm start (cached)."""
+    from rollwise.config import load_config
+    if init:
+        return init
+    if load_config(config, overrides).model.path:
+        return None
+    return warm_start_folder(config, overrides, root)
+
+
+def profile(config: str | None, overrides: list[str], init: str | None, prompts: int,
+            seed: int = 0) -> dict:
+    """The profiling pass on the warm start and the rules' choices (warm_profile)."""
+    import torch
+
+    from rollwise import models
+    from rollwise.config import load_config
+    from rollwise.stages.filter import eval_scorer
+    from rollwise.tasks import load_task
+    from rollwise.tasks.prompts import Prompter
+    cfg = load_config(config, overrides)
+    task = load_task(cfg.task)
+    model, tok = models.load_model(init or cfg.model.path, cfg.model.dtype)
+    model.eval()
+    torch.manual_seed(seed)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    scorer = eval_scorer(cfg.filter, task)
+    try:
+        rs = warm_profile.sample_responses(
+            model, tok, Prompter.for_task(cfg.task, tok, task, model), task.train[:prompts],
+            scorer, task.extract_answer, cfg.generate.temperature, cfg.generate.max_new_tokens,
+            cfg.generate.echo)
+    finally:
+        scorer.close()
+    choices = warm_profile.choose(rs, cfg.generate.echo)
+    return {"stats": warm_profile.summary(rs), "choices": warm_profile.as_json(choices),
+            "overrides": {m: [c.override() for c in cs] for m, cs in choices.items()}}
+
+
+def cached_profile(path: Path, config: str | None, overrides: list[str], init: str | None,
+                   prompts: int) -> dict:
+    """profile(), kept in `path` and reused while its inputs are the same, so that every arm
+    of a comparison run arm by arm gets the same thresholds."""
+    key = settings_key(config, overrides, init, prompts)
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if kept.get("key") == key:
+            return kept
+    prof = {"key": key, **profile(config, overrides, init, prompts)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1))
+    return prof
+
+
+class Diagnostics:
+    """Each step's method diagnostics, summed or averaged over the run."""
+
+    def __init__(self, label: str, budget: float):
+        self.label, self.budget = label, budget
+        self.steps: list[dict] = []
+        self.used = 0.0
+
+    def __call__(self, run, r, m) -> None:
+        sizes = [len(g.samples) for g in r.scored]
+        aborts = sum(v for k, v in m.items() if k.startswith("decisions/control/abort"))
+        self.used += m["tokens/decoded"]
+        self.steps.append({
+            "step": run.current_step, "tokens": self.used,
+            "mixed": m.get("groups/mixed_share", 0.0),
+            "distinct": distinct_answers(run, r.scored) if r.scored else 0.0,
+            "forks": sum(v for k, v in m.items() if k.startswith("decisions/generate/fork")),
+            "pruned": sum(v for k, v in m.items() if k.startswith("decisions/generate/prune")),
+            "prefix_saved": m.get("tokens/prefix_saved", 0.0),
+            "rollouts": sum(sizes) + aborts, "aborts": aborts,
+            "group_size": statistics.mean(sizes) if sizes else 0.0,
+            "head_auc": m.get("arrol/head_auc"),
+            "label_acc": m.get("filter/majority_label_acc"),
+            "length": m.get("response/length_mean", 0.0)})
+        print(f"{self.label}: step {run.current_step}, {self.used:.0f}/{self.budget:.0f} "
+              f"tokens, mixed {self.steps[-1]['mixed']:.2f}, mean length "
+              f"{self.steps[-1]['length']:.1f}", file=sys.stderr, flush=True)
+
+    def summary(self, at_step: int) -> dict:
+        s = self.steps
+        aucs = [x["head_auc"] for x in s if x["head_auc"] is not None]
+        accs = [x["label_acc"] for x in s[-max(len(s) // 4, 1):] if x["label_acc"] is not None]
+        rollouts = sum(x["rollouts"] for x in s)
+        return {"mixed_share": statistics.mean(x["mixed"] for x in s),
+                "distinct_answers": statistics.mean(x["distinct"] for x in s),
+                "forks": sum(x["forks"] for x in s), "pruned": sum(x["pruned"] for x in s),
+                "prefix_saved": sum(x["prefix_saved"] for x in s), "rollouts": rollouts,
+                "abort_rate": sum(x["aborts"] for x in s) / max(rollouts, 1),
+                "group_size": statistics.mean(x["group_size"] for x in s),
+                "group_size_max": max(x["group_size"] for x in s),
+                "rollouts_to_target": sum(x["rollouts"] for x in s if x["step"] <= at_step),
+                "head_auc": aucs, "label_acc": statistics.mean(accs) if accs else None,
+                "length_first": s[0]["length"], "length_last": s[-1]["length"]}
+
+
+def run_arm(config: str | None, overrides: list[str], arm: str, seed: int, tokens: float,
+            eval_tokens: float, gain: float, root: str, init: str | None,
+            settings: str) -> dict:
+    """One arm and seed, trained until its share of the token budget is decoded."""
+    budget = tokens * BUDGET_SHARE.get(arm, 1.0)
+    diag = Diagnostics(f"{arm} seed {seed}", budget)
+    t = train_to_budget(config, overrides + [
+        f"run.seed={seed}", f"run.root={root}", f"run.name={arm}-{seed}"]
+        + ([f"run.init={init}"] if init else []), budget, 10 ** 9, diag, eval_tokens)
+    curve = t["curve"]
+    target = curve[0]["pass1"] + gain
+    hit = first_reach(curve, target)
+    return {"arm": arm, "seed": seed, "settings": settings, "steps": t["steps"],
+            "tokens": t["tokens"], "seconds": t["seconds"], "start_pass1": curve[0]["pass1"],
+            "final_pass1": curve[-1]["pass1"], "target": target, "reached": hit is not None,
+            "tokens_to_target": hit["tokens"] if hit else t["tokens"],
+            "seconds_to_target": hit["seconds"] if hit else t["seconds"],
+            "steps_to_target": hit["step"] if hit else t["steps"],
+            **diag.summary(hit["step"] if hit else t["steps"]), "curve": curve}
+
+
+def _run(*job) -> dict:
+    r = run_arm(*job)
+    print(f"{r['arm']} seed {r['seed']}: {r['steps']} steps, {r['tokens']:.0f} tokens, "
+          f"{r['seconds']:.0f} s, pass@1 {r['start_pass1']:.3f} -> {r['final_pass1']:.3f}, "
+          f"to target {r['tokens_to_target']:.0f} tokens"
+          f"{'' if r['reached'] else ' (not reached)'}", file=sys.stderr, flush=True)
+    return r
+
+
+MEDIANS = ("tokens_to_target", "seconds_to_target", "steps_to_target", "final_pass1",
+           "tokens", "seconds", "mixed_share", "distinct_answers", "forks", "pruned",
+           "prefix_saved", "rollouts", "rollouts_to_target", "abort_rate", "group_size",
+           "group_size_max")
+
+
+def summarize(runs: list[dict], seeds: list[int]) -> dict:
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["arm"], []).append(r)
+    med = {a: {k: statistics.median(r[k] for r in rs) for k in MEDIANS}
+           for a, rs in by.items()}
+    for a, rs in by.items():
+        med[a]["reached"] = sum(r["reached"] for r in rs)
+        med[a]["seeds"] = len(rs)
+        accs = [r["label_acc"] for r in rs if r["label_acc"] is not None]
+        med[a]["label_acc"] = statistics.mean(accs) if accs else None
+        aucs = [x["auc"] if isinstance(x, dict) else x for r in rs for x in r["head_auc"]]
+        med[a]["head_auc_mean"] = statistics.mean(aucs) if aucs else None
+
+    def paired(a: str, key: str) -> float | None:
+        base = ARMS[a][0]
+        x = {r["seed"]: r[key] for r in by.get(a, [])}
+        y = {r["seed"]: r[key] for r in by.get(base, [])}
+        d = [x[s] - y[s] for s in seeds if s in x and s in y
+             and x[s] is not None and y[s] is not None]
+        return statistics.mean(d) if d else None
+
+    def ratio(a: str, key: str) -> float | None:
+        base = ARMS[a][0]
+        if a not in med or base not in med:
+            return None
+        return med[a][key] / max(med[base][key], 1e-9)
+    out: dict = {"medians": med,
+                 "paired_pass1_delta": {a: paired(a, "final_pass1") for a in med
+                                        if ARMS[a][0]}}
+    keys = {"latr_tokens_to_target_ratio": ratio("latr", "tokens_to_target"),
+            "latr_mixed_share_ratio": ratio("latr", "mixed_share"),
+            "echo_ttrl_pass1_delta": paired("echo_ttrl", "final_pass1"),
+            "echo_label_acc_delta": paired("echo_ttrl", "label_acc"),
+            "arrol_speedup": (1 / ratio("arrol", "tokens_to_target")
+                              if ratio("arrol", "tokens_to_target") else None),
+            "arrol_pass1_delta": paired("arrol", "final_pass1"),
+            "duet50_pass1_delta": paired("duet50", "final_pass1"),
+            "sgpo_compute_ratio": ratio("sgpo", "tokens_to_target"),
+            "dars_compute_ratio": ratio("dars", "tokens_to_target"),
+            "april_seconds_ratio": ratio("april", "seconds_to_target"),
+            "dps_rollouts_ratio": ratio("dps", "rollouts_to_target")}
+    out.update({k: v for k, v in keys.items() if v is not None})
+    return out
+
+
+HEADLINE = ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_pass1_delta",
+            "echo_label_acc_delta", "arrol_speedup", "duet50_pass1_delta", "sgpo_compute_ratio",
+            "dars_compute_ratio", "april_seconds_ratio", "dps_rollouts_ratio")
+
+
+def arm_list(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise SystemExit(f"rollwise bench methods: unknown arm(s) {unknown or text!r}; "
+                         f"choose from {', '.join(ARMS)}")
+    return arms
+
+
+def settings_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_finished(log: Path, settings: dict[str, str]) -> list[dict]:
+    """Runs in the log whose arm was run with the same settings (the rest are ignored)."""
+    if not log.exists():
+        return []
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    return [r for r in rows if "error" not in r and settings.get(r.get("arm")) == r.get("settings")]
+
+
+def table(out: dict) -> None:
+    print("| arm | tokens to target | s to target | reached | final pass@1 | paired Δ pass@1 "
+          "| mixed share | forks | prefix saved | abort rate | group size | head AUC |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for a, v in out["medians"].items():
+        delta = out["paired_pass1_delta"].get(a)
+        auc = v["head_auc_mean"]
+        print(f"| {a} | {v['tokens_to_target']:.0f} | {v['seconds_to_target']:.0f} | "
+              f"{v['reached']}/{v['seeds']} | {v['final_pass1']:.3f} | "
+              f"{'–' if delta is None else f'{delta:+.3f}'} | {v['mixed_share']:.3f} | "
+              f"{v['forks']:.0f} | {v['prefix_saved']:.0f} | {v['abort_rate']:.3f} | "
+              f"{v['group_size']:.1f} | {'–' if auc is None else f'{auc:.2f}'} |")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rollwise bench methods", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=CONFIG, help="run config (\"\": the defaults)")
+    p.add_argument("--arms", type=arm_list, default=["latr", "arrol", "duet50"],
+                   help=f"comma-separated, from: {','.join(ARMS)}")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--tokens", type=float, default=40_000,
+                   help="generated-token budget of each run (DUET-50: half)")
+    p.add_argument("--eval-tokens", type=float, default=8_000,
+                   help="evaluate after each further this many decoded tokens")
+    p.add_argument("--gain", type=float, default=0.1,
+                   help="target: the warm start's held-out pass@1 plus this")
+    p.add_argument("--pool", type=int, default=64,
+                   help="recurring prompt pool of the dynamic and dps arms (task.train_size)")
+    p.add_argument("--sgpo-prompts", type=int, default=64,
+                   help="prompts sGPO profiles (its pass counts in its budget)")
+    p.add_argument("--profile-prompts", type=int, default=64,
+                   help="training prompts of the profiling pass on the warm start")
+    p.add_argument("--init", help="warm-start model folder (default: the config's model, or "
+                                  "its SFT warm start)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs side by side in this many processes (one torch thread each)")
+    p.add_argument("--root", default="runs/bench-methods")
+    p.add_argument("--fresh", action="store_true", help="ignore the runs already in the log")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="section.key=value for every run")
+    args = p.parse_args(argv)
+    config = args.config or None
+    base = BENCH_RUN + args.overrides
+    init = warm_start_of(config, base, args.root, args.init)
+    prof = cached_profile(Path(args.root) / "profile.json", config, base, init,
+                          args.profile_prompts)
+    print("profile: " + json.dumps(prof["stats"]), file=sys.stderr, flush=True)
+    arms = with_baselines(args.arms)
+    threads = ["run.threads=1"] if args.jobs > 1 else []
+    per_arm = {a: BENCH_RUN + ARMS[a][1]
+               + [o for m in ARMS[a][2] for o in prof["overrides"][m]]
+               + ([f"task.train_size={args.pool}"] if a in POOLED else [])
+               + ([f"control.sgpo.profile_prompts={args.sgpo_prompts}"] if a == "sgpo" else [])
+               + args.overrides + threads for a in arms}  # the command's overrides win
+    settings = {a: settings_key(config, per_arm[a], args.tokens, args.eval_tokens, args.gain,
+                                init) for a in arms}
+    log = Path(args.root) / "runs.jsonl"
+    done = [] if args.fresh else load_finished(log, settings)
+    have = {(r["arm"], r["seed"]) for r in done}
+    jobs = [(config, per_arm[a], a, s, args.tokens, args.eval_tokens, args.gain, args.root,
+             init, settings[a]) for a in arms for s in args.seeds if (a, s) not in have]
+    if done:
+        print(f"reusing {len(done)} finished run(s) from {log}", file=sys.stderr, flush=True)
+    new, failed = execute(_run, jobs, args.jobs, log,
+                          lambda j: {"arm": j[2], "seed": j[3]}, append=not args.fresh)
+    runs = [r for r in done + new if r["arm"] in arms and r["seed"] in args.seeds]
+    out = {"config": args.config, "tokens": args.tokens, "eval_tokens": args.eval_tokens,
+           "gain": args.gain, "init": init, "seeds": args.seeds, "arms": arms,
+           "overrides": args.overrides, "per_arm": per_arm, "profile": prof,
+           **summarize(runs, args.seeds), "runs": runs, "failed": failed}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 1 if failed else 0
+    table(out)
+    return print_keys_and_failures(out, HEADLINE, failed, lambda r: r["arm"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
