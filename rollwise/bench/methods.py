@@ -289,8 +289,8 @@ def arm_list(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
-        raise SystemExit(f"rollwise bench methods: unknown arm(s) {unknown or text!r}; "
-                         f"choose from {', '.join(ARMS)}")
+        raise argparse.ArgumentTypeError(f"unknown arm(s) {unknown or text!r}; choose from "
+                                         f"{', '.join(ARMS)}")
     return arms
 
 
@@ -306,6 +306,53 @@ def load_finished(log: Path, settings: dict[str, str]) -> list[dict]:
     return [r for r in rows if "error" not in r and settings.get(r.get("arm")) == r.get("settings")]
 
 
+# each method's own diagnostics, shown beside its baseline's
+DIAGNOSTICS = {
+    "latr": ("mixed_share", "distinct_answers", "forks", "pruned", "prefix_saved"),
+    "echo_ttrl": ("label_acc", "mixed_share", "forks", "pruned", "prefix_saved"),
+    "arrol": ("head_auc", "abort_rate", "mixed_share", "rollouts"),
+    "duet50": ("abort_rate", "mixed_share", "rollouts"),
+    "sgpo": ("group_size", "group_size_max", "mixed_share"),
+    "dars": ("group_size", "group_size_max", "mixed_share"),
+    "april": ("mixed_share", "rollouts"),
+    "dps": ("rollouts_to_target", "mixed_share"),
+}
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, list):  # the quality head's AUC per step
+        aucs = [x["auc"] if isinstance(x, dict) else x for x in v]
+        return f"{aucs[0]:.2f} → {aucs[-1]:.2f}" if aucs else "–"
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.0f}"
+
+
+def method_tables(out: dict) -> None:
+    """One table per method: per seed, the method against its baseline."""
+    runs = {(r["arm"], r["seed"]): r for r in out["runs"]}
+    for arm in out["arms"]:
+        base = ARMS[arm][0]
+        if not base:
+            continue
+        keys = DIAGNOSTICS.get(arm, ())
+        print(f"\n{arm} against {base} (each cell: {base} / {arm})\n")
+        print("| seed | tokens to target | s to target | final pass@1 | "
+              + " | ".join(k.replace("_", " ") for k in keys) + " |")
+        print("|---" * (4 + len(keys)) + "|")
+        for seed in out["seeds"]:
+            b, m = runs.get((base, seed)), runs.get((arm, seed))
+            if not b or not m:
+                continue
+            cell = lambda k, f=_fmt: f"{f(b[k])} / {f(m[k])}"  # noqa: E731
+            to = [f"{b[k]:.0f}{'' if b['reached'] else '*'} / "
+                  f"{m[k]:.0f}{'' if m['reached'] else '*'}"
+                  for k in ("tokens_to_target", "seconds_to_target")]
+            print(f"| {seed} | {to[0]} | {to[1]} | {cell('final_pass1')} | "
+                  + " | ".join(cell(k) for k in keys) + " |")
+    print("\n(* the target was not reached: the whole budget is counted)")
+
+
 def table(out: dict) -> None:
     print("| arm | tokens to target | s to target | reached | final pass@1 | paired Δ pass@1 "
           "| mixed share | forks | prefix saved | abort rate | group size | head AUC |")
@@ -318,6 +365,7 @@ def table(out: dict) -> None:
               f"{'–' if delta is None else f'{delta:+.3f}'} | {v['mixed_share']:.3f} | "
               f"{v['forks']:.0f} | {v['prefix_saved']:.0f} | {v['abort_rate']:.3f} | "
               f"{v['group_size']:.1f} | {'–' if auc is None else f'{auc:.2f}'} |")
+    method_tables(out)
 
 
 def main(argv: list[str]) -> int:
@@ -346,8 +394,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--root", default="runs/bench-methods")
     p.add_argument("--fresh", action="store_true", help="ignore the runs already in the log")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--report", metavar="JSON",
+                   help="print the tables of a saved --json output and exit (runs nothing)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = p.parse_args(argv)
+    if args.report:
+        out = json.loads(Path(args.report).read_text())
+        table(out)
+        return print_keys_and_failures(out, HEADLINE, out["failed"], lambda r: r["arm"])
     config = args.config or None
     base = BENCH_RUN + args.overrides
     init = warm_start_of(config, base, args.root, args.init)
