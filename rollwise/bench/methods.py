@@ -23,16 +23,18 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | dars | control.group_size=dars | grpo | dars_compute_ratio |
 | april | control.inflight=april | grpo | april_seconds_ratio (seconds to target) |
 | ttrl | filter.reward=majority (labels never read) | - | - |
-| echo_ttrl | ECHO trees, token shaping and adaptive clip, majority reward | ttrl | echo_ttrl_pass1_delta, echo_label_acc_delta |
+| echo_ttrl | ECHO trees, shaping, adaptive clip, majority | ttrl | echo_ttrl_pass1_delta |
 | dynamic | DAPO dynamic sampling on a recurring pool (--pool) | - | - |
 | dps | DPS prompt selection on the same pool | dynamic | dps_rollouts_ratio |
 
-The two TTRL arms report sampled pass@1 (4 draws at T = 1; greedy decoding already picks the
-majority's answer). Thresholds that depend on the model (LATR's tau and ages, ECHO's entropy
-and confidence thresholds, ARRoL's checkpoint, DUET's marker and horizon) are set once, before
-any arm runs, by the documented rules of rollwise.bench.warm_profile from a profiling pass on
-the warm start: one sampled response per training prompt (--profile-prompts). The choices and
-the statistics behind them are in the JSON ("profile").
+The two TTRL arms train on the majority vote alone (the config's ground-truth verifier rides
+along at weight 0, so held-out pass@1 is scored as in the other arms) and report sampled
+pass@1 (4 draws at T = 1; greedy decoding already picks the majority's answer); echo_ttrl
+also reports echo_label_acc_delta. Thresholds that depend on the model (LATR's tau and ages,
+ECHO's entropy and confidence thresholds, ARRoL's checkpoint, DUET's marker and horizon) are
+set once, before any arm runs, by the documented rules of rollwise.bench.warm_profile from a
+profiling pass on the warm start: one sampled response per training prompt
+(--profile-prompts). The choices and the statistics behind them are in the JSON ("profile").
 
 Each finished run is appended to <root>/runs.jsonl at once; a later call with the same settings
 reuses the runs there (--fresh starts over), so a long comparison can be run arm by arm.
@@ -64,7 +66,7 @@ from rollwise.bench.jobs import (
 from rollwise.bench.trees import distinct_answers
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2.yaml")
-TTRL = ["filter.reward=majority", "run.eval_samples=4", "run.eval_temperature=1.0"]
+TTRL = ["run.eval_samples=4", "run.eval_temperature=1.0"]  # and ttrl_reward()
 # arm -> (baseline arm, overrides, the profile's methods whose choices it takes)
 ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
     "grpo": (None, ["generate.strategy=group"], []),
@@ -81,6 +83,7 @@ ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
     "dps": ("dynamic", ["control.selector=dps"], []),
 }
 BUDGET_SHARE = {"duet50": 0.5}
+TTRL_ARMS = {"ttrl", "echo_ttrl"}
 POOLED = {"dynamic", "dps"}  # arms on a recurring prompt pool (--pool)
 
 
@@ -94,6 +97,18 @@ def with_baselines(arms: list[str]) -> list[str]:
         if a not in out:
             out.append(a)
     return out
+
+
+def ttrl_reward(config: str | None, overrides: list[str]) -> str:
+    """The TTRL arms' reward: the majority vote alone, with the config's ground-truth
+    verifier carried at weight 0 so that held-out pass@1 is scored as in the other arms
+    (with no such verifier, held-out scoring falls back to exact match)."""
+    from rollwise.config import load_config
+    from rollwise.stages.filter.stage import CORRECTNESS, weights_of
+    reward = load_config(config, overrides).filter.reward
+    truth = [n for n in weights_of(reward) if n in CORRECTNESS or ":" in n]
+    return (f"filter.reward={{majority: 1.0, '{truth[0]}': 0.0}}" if truth
+            else "filter.reward=majority")
 
 
 def warm_start_of(config: str | None, overrides: list[str], root: str,
@@ -411,6 +426,7 @@ def main(argv: list[str]) -> int:
     arms = with_baselines(args.arms)
     threads = ["run.threads=1"] if args.jobs > 1 else []
     per_arm = {a: BENCH_RUN + ARMS[a][1]
+               + ([ttrl_reward(config, base)] if a in TTRL_ARMS else [])
                + [o for m in ARMS[a][2] for o in prof["overrides"][m]]
                + ([f"task.train_size={args.pool}"] if a in POOLED else [])
                + ([f"control.sgpo.profile_prompts={args.sgpo_prompts}"] if a == "sgpo" else [])

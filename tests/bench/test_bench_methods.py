@@ -235,3 +235,19 @@ def test_every_arm_spends_its_share_and_finished_runs_are_reused(tmp_path, capsy
     text = capsys.readouterr().out
     assert "latr against grpo" in text and "arrol against grpo" in text
     assert len(log.read_text().splitlines()) == 4
+
+
+def test_ttrl_arms_train_on_the_vote_and_score_held_out_like_the_others():
+    from rollwise.stages.filter import eval_scorer
+    for config, truth in ((None, "exact"), (methods.CONFIG, "math")):
+        override = methods.ttrl_reward(config, [])
+        cfg = load_config(config, [override])
+        assert cfg.filter.reward == {"majority": 1.0, truth: 0.0}
+        task = load_task(cfg.task)
+        scorer = eval_scorer(cfg.filter, task)
+        try:
+            assert scorer.stage.channels[0].key == truth  # held-out: the true answers
+        finally:
+            scorer.close()
+    # a config whose reward carries no ground truth: the vote alone
+    assert methods.ttrl_reward(None, ["filter.reward=majority"]) == "filter.reward=majority"
