@@ -54,6 +54,9 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
+from rollwise import models
 from rollwise.bench import warm_profile
 from rollwise.bench.jobs import (
     BENCH_RUN,
@@ -64,6 +67,11 @@ from rollwise.bench.jobs import (
     warm_start_folder,
 )
 from rollwise.bench.trees import distinct_answers
+from rollwise.config import load_config
+from rollwise.stages.filter import eval_scorer
+from rollwise.stages.filter.stage import CORRECTNESS, weights_of
+from rollwise.tasks import load_task
+from rollwise.tasks.prompts import Prompter
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2.yaml")
 TTRL = ["run.eval_samples=4", "run.eval_temperature=1.0"]  # and ttrl_reward()
@@ -103,8 +111,6 @@ def ttrl_reward(config: str | None, overrides: list[str]) -> str:
     """The TTRL arms' reward: the majority vote alone, with the config's ground-truth
     verifier carried at weight 0 so that held-out pass@1 is scored as in the other arms
     (with no such verifier, held-out scoring falls back to exact match)."""
-    from rollwise.config import load_config
-    from rollwise.stages.filter.stage import CORRECTNESS, weights_of
     reward = load_config(config, overrides).filter.reward
     truth = [n for n in weights_of(reward) if n in CORRECTNESS or ":" in n]
     return (f"filter.reward={{majority: 1.0, '{truth[0]}': 0.0}}" if truth
@@ -115,7 +121,6 @@ def warm_start_of(config: str | None, overrides: list[str], root: str,
                   init: str | None) -> str | None:
     """The folder every arm starts from: --init, else None when the config names a
     pretrained model (model.path, loaded as is), else its SFT warm start (cached)."""
-    from rollwise.config import load_config
     if init:
         return init
     if load_config(config, overrides).model.path:
@@ -126,13 +131,6 @@ def warm_start_of(config: str | None, overrides: list[str], root: str,
 def profile(config: str | None, overrides: list[str], init: str | None, prompts: int,
             seed: int = 0) -> dict:
     """The profiling pass on the warm start and the rules' choices (warm_profile)."""
-    import torch
-
-    from rollwise import models
-    from rollwise.config import load_config
-    from rollwise.stages.filter import eval_scorer
-    from rollwise.tasks import load_task
-    from rollwise.tasks.prompts import Prompter
     cfg = load_config(config, overrides)
     task = load_task(cfg.task)
     model, tok = models.load_model(init or cfg.model.path, cfg.model.dtype)

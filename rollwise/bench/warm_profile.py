@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rollwise.stages.control.abort_duet import first_prefix
 from rollwise.stages.generate.tree_rules import EchoTrace, echo_prune_reason, echo_push
 
 PAPER_MARKER = r"\\boxed\{"
@@ -92,18 +93,6 @@ def quantile(xs: list[float], f: float) -> float:
 
 # ------------------------------------------------------------------------------ the pass
 
-def first_position(ids: list[int], found) -> int | None:
-    """The fewest leading tokens of `ids` whose decoding satisfies `found` (monotone: once
-    found, found for every longer prefix), by bisection; None if the whole response does not."""
-    if not found(ids):
-        return None
-    lo, hi = 0, len(ids)  # not found in ids[:lo], found in ids[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if found(ids[:mid]) else (mid, hi)
-    return hi
-
-
 @torch.no_grad()
 def sample_responses(model, tok, prompter, problems, scorer, extract, temperature: float,
                      max_new: int, echo_cfg, batch: int = 16) -> list[Response]:
@@ -130,8 +119,8 @@ def sample_responses(model, tok, prompter, problems, scorer, extract, temperatur
             text = tok.decode(resp, skip_special_tokens=True)
             decode = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
             r = Response(n, stop is None, scorer(text, problem)[0],
-                         first_position(resp, lambda x: bool(marker.search(decode(x)))),
-                         first_position(resp, lambda x: extract(decode(x)) is not None))
+                         first_prefix(resp, lambda x: bool(marker.search(decode(x)))),
+                         first_prefix(resp, lambda x: extract(decode(x)) is not None))
             for j in range(n):
                 logp = torch.log_softmax(gen.logits[j][row].float(), -1)
                 top = logp.topk(max(echo_cfg.top_k, 5)).values

@@ -13,6 +13,7 @@ import torch
 from rollwise.bench import methods, warm_profile
 from rollwise.bench.jobs import BENCH_RUN, train_to_budget
 from rollwise.config import EchoConfig, load_config
+from rollwise.stages.control.abort_duet import first_prefix
 from rollwise.stages.generate.tree_rules import EchoTrace, echo_prune_reason, echo_push
 from rollwise.tasks import load_task
 from rollwise.tasks.prompts import Prompter
@@ -29,8 +30,8 @@ def test_first_position_is_the_shortest_prefix_that_shows_it():
         def found(x, want=want):
             return len(x) >= want and want > 0
         naive = next((n for n in range(len(ids) + 1) if found(ids[:n])), None)
-        assert warm_profile.first_position(ids, found) == naive
-    assert warm_profile.first_position(ids, lambda x: False) is None
+        assert first_prefix(ids, found) == naive
+    assert first_prefix(ids, lambda x: False) is None
 
 
 def test_profile_records_what_a_full_forward_pass_gives(tiny):

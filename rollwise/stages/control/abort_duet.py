@@ -63,6 +63,19 @@ def ht_mean(rewards: list[float], weights: list[float], started: int) -> float:
     return sum(w * r for w, r in zip(weights, rewards)) / max(started, 1)
 
 
+
+def first_prefix(ids: list[int], found, seen: int = 0) -> int | None:
+    """The fewest leading tokens of `ids` for which found(prefix) holds (a monotone test:
+    once true, true for every longer prefix), given it fails within the first `seen`; None if
+    it fails on the whole. Found in the whole, then placed to the token by bisection."""
+    if not found(ids):
+        return None
+    lo, hi = seen, len(ids)  # not found in ids[:lo], found in ids[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if found(ids[:mid]) else (mid, hi)
+    return hi
+
 class Duet(InflightController):
     def __init__(self, cfg=None):
         c = cfg.control.duet
@@ -115,15 +128,8 @@ class Duet(InflightController):
 
     def _marker_at(self, sample, seen: int) -> int | None:
         """The response length at which the marker first appears (None: not yet), given none
-        within the first `seen` tokens: found in the whole response, then placed to the token
-        by bisecting its new part."""
-        if not self._has_marker(sample.response_ids):
-            return None
-        lo, hi = seen, sample.num_tokens  # no marker in [:lo], a marker in [:hi]
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self._has_marker(sample.response_ids[:mid]) else (mid, hi)
-        return hi
+        within the first `seen` tokens."""
+        return first_prefix(sample.response_ids, self._has_marker, seen)
 
     def _has_marker(self, ids: list[int]) -> bool:
         if self.tokenizer is None or (self.task is None and self.marker is None):
