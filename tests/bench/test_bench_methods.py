@@ -24,7 +24,7 @@ SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
          "control.prompts_per_step=2", "generate.group_size=4"]
 
 
-def test_first_position_is_the_shortest_prefix_that_shows_it():
+def test_first_prefix_is_the_shortest_prefix_that_shows_it():
     ids = [5, 1, 7, 7, 2, 9]
     for want in range(len(ids) + 1):
         def found(x, want=want):

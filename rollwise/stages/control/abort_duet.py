@@ -63,7 +63,6 @@ def ht_mean(rewards: list[float], weights: list[float], started: int) -> float:
     return sum(w * r for w, r in zip(weights, rewards)) / max(started, 1)
 
 
-
 def first_prefix(ids: list[int], found, seen: int = 0) -> int | None:
     """The fewest leading tokens of `ids` for which found(prefix) holds (a monotone test:
     once true, true for every longer prefix), given it fails within the first `seen`; None if
@@ -75,6 +74,7 @@ def first_prefix(ids: list[int], found, seen: int = 0) -> int | None:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if found(ids[:mid]) else (mid, hi)
     return hi
+
 
 class Duet(InflightController):
     def __init__(self, cfg=None):
