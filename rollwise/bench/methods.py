@@ -42,7 +42,8 @@ Reported per arm (median over seeds): tokens, seconds and steps to the target (a
 misses it counts its whole budget, reached: false), final pass@1, and each method's own
 diagnostics: mixed-group share, distinct answers per group, forks, pruned branches and prefix
 tokens saved (trees), the quality head's AUC over training (ARRoL), aborts per rollout
-(ARRoL, DUET), group sizes (sGPO, DARS), rollouts to target (DPS), pseudo-label accuracy (TTRL).
+(ARRoL, DUET), group sizes (sGPO, DARS), rollouts to target (DPS), pseudo-label accuracy (TTRL),
+the share of trained tokens sampled by an older policy and generation's seconds (APRIL).
 """
 
 from __future__ import annotations
@@ -189,7 +190,10 @@ class Diagnostics:
             "group_size": statistics.mean(sizes) if sizes else 0.0,
             "head_auc": m.get("arrol/head_auc"),
             "label_acc": m.get("filter/majority_label_acc"),
-            "length": m.get("response/length_mean", 0.0)})
+            "length": m.get("response/length_mean", 0.0),
+            # APRIL: trained tokens sampled before the last update, and generation's seconds
+            "stale": m.get("tokens/stale", 0.0), "trained": m.get("tokens/batch", 0.0),
+            "gen_seconds": m.get("perf/gen_seconds", 0.0)})
         print(f"{self.label}: step {run.current_step}, {self.used:.0f}/{self.budget:.0f} "
               f"tokens, mixed {self.steps[-1]['mixed']:.2f}, mean length "
               f"{self.steps[-1]['length']:.1f}", file=sys.stderr, flush=True)
@@ -208,6 +212,8 @@ class Diagnostics:
                 "group_size_max": max(x["group_size"] for x in s),
                 "rollouts_to_target": sum(x["rollouts"] for x in s if x["step"] <= at_step),
                 "head_auc": aucs, "label_acc": statistics.mean(accs) if accs else None,
+                "stale_share": sum(x["stale"] for x in s) / max(sum(x["trained"] for x in s), 1),
+                "gen_seconds": sum(x["gen_seconds"] for x in s),
                 "length_first": s[0]["length"], "length_last": s[-1]["length"]}
 
 
@@ -327,7 +333,7 @@ DIAGNOSTICS = {
     "duet50": ("abort_rate", "mixed_share", "rollouts"),
     "sgpo": ("group_size", "group_size_max", "mixed_share"),
     "dars": ("group_size", "group_size_max", "mixed_share"),
-    "april": ("mixed_share", "rollouts"),
+    "april": ("stale_share", "gen_seconds", "mixed_share", "rollouts"),
     "dps": ("rollouts_to_target", "mixed_share"),
 }
 
@@ -357,7 +363,8 @@ def method_tables(out: dict) -> None:
             b, m = runs.get((base, seed)), runs.get((arm, seed))
             if not b or not m:
                 continue
-            cell = lambda k, f=_fmt: f"{f(b[k])} / {f(m[k])}"  # noqa: E731
+            # runs recorded before a diagnostic existed show it as "–"
+            cell = lambda k, f=_fmt: f"{f(b.get(k))} / {f(m.get(k))}"  # noqa: E731
             to = [f"{b[k]:.0f}{'' if b['reached'] else '*'} / "
                   f"{m[k]:.0f}{'' if m['reached'] else '*'}"
                   for k in ("tokens_to_target", "seconds_to_target")]

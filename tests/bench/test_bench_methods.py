@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -188,6 +189,24 @@ def test_summary_keys_come_from_the_runs():
     assert out["duet50_pass1_delta"] == pytest.approx((-0.1 + 0.2 + 0.0) / 3)
     assert out["dps_rollouts_ratio"] == 0.25
     assert "sgpo_compute_ratio" not in out and "echo_ttrl_pass1_delta" not in out
+
+
+def test_april_diagnostics_are_shares_of_the_whole_run_and_older_runs_show_a_dash(capsys):
+    diag = methods.Diagnostics("april seed 0", 100)
+    run = SimpleNamespace(current_step=0)
+    for step, (stale, trained, gen) in enumerate(((0, 50, 1.0), (30, 60, 2.0), (45, 90, 1.5)), 1):
+        run.current_step = step
+        diag(run, SimpleNamespace(scored=[]), {"tokens/decoded": 40, "tokens/stale": stale,
+                                               "tokens/batch": trained, "perf/gen_seconds": gen})
+    got = diag.summary(at_step=2)
+    assert got["stale_share"] == (0 + 30 + 45) / (50 + 60 + 90)  # not a mean of step shares
+    assert got["gen_seconds"] == 4.5
+    base = {"arm": "grpo", "seed": 0, "reached": True, "tokens_to_target": 90,
+            "seconds_to_target": 9.0, "final_pass1": 0.5, "mixed_share": 0.25, "rollouts": 64}
+    april = {**base, "arm": "april", **got}
+    methods.method_tables({"arms": ["april"], "seeds": [0], "runs": [base, april]})
+    row = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| 0 |")][0]
+    assert "| 0.500 / 0.500 | – / 0.375 | – / 4.500 |" in row
 
 
 def test_evaluations_follow_the_decoded_tokens(tmp_path):
