@@ -1,7 +1,7 @@
-"""The engine contract, as checks any backend must pass (built-in: tests/engine/test_engine_contract.py;
-vLLM: tests/with_vllm/test_vllm_contract.py). Every check compares the engine against the model itself:
-Hugging Face `generate` for greedy tokens, a full forward pass over the finished sequence for
-behaviour log-probabilities and entropies."""
+"""The engine contract, as checks any backend must pass (built-in:
+tests/engine/test_engine_contract.py; vLLM: tests/with_vllm/test_vllm_contract.py). Every check
+compares the engine against the model itself: Hugging Face `generate` for greedy tokens, a full
+forward pass over the finished sequence for behaviour log-probabilities and entropies."""
 
 from __future__ import annotations
 

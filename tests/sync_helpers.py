@@ -100,7 +100,8 @@ def random_bits_change(dtype, n: int, density: float, seed: int):
     sign flips, NaNs); at one random element, sometimes nothing changes at all."""
     rng = np.random.default_rng(seed)
     width = torch.tensor([], dtype=dtype).element_size()
-    raw = lambda: torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
+    def raw():
+        return torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
     old = P.bits(raw())
     new = old.clone()
     mask = torch.from_numpy(rng.random(n) < density)

@@ -28,7 +28,8 @@ def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys, 
              "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=200",
              "task.eval_size=20", "sft.steps=20", "generate.max_new_tokens=16",
              "control.prompts_per_step=2", "task.filler_tail_mean=8"]
-    assert budget.main(["--task", task, "--seeds", "0", "--methods", "grpo", "duet50", "--tokens", "300",
+    assert budget.main(["--task", task, "--seeds", "0", "--methods", "grpo", "duet50",
+                        "--tokens", "300",
                         "--target", "0.99", "--eval-every", "2", "--root", str(tmp_path),
                         "--json", *small]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -40,7 +41,8 @@ def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys, 
         assert r["tokens"] - share < 2 * 2 * 8 * 16 and per_step > 0
         assert r["curve"][-1]["tokens"] == r["tokens"]
     assert "duet50_pass1_delta" in out
-    assert not runs["grpo"]["reached"] and runs["grpo"]["tokens_to_target"] == runs["grpo"]["tokens"]
+    grpo = runs["grpo"]
+    assert not grpo["reached"] and grpo["tokens_to_target"] == grpo["tokens"]
     assert out["task"] == task and runs["grpo"]["target"] == 0.99
 
 

@@ -51,7 +51,8 @@ def test_bench_trees_runs_every_arm_within_one_budget_and_trees_branch(tmp_path,
              "control.prompts_per_step=2", "generate.group_size=4",
              # branch wherever the second token has any mass, so the tree surely forks
              "generate.latr.tau_abs=0.0", "generate.latr.tau_rel=1.0", "generate.latr.ages=[2]",
-             "generate.echo.entropy_threshold=1.01", "generate.echo.min_position=2", "generate.echo.conf_threshold=100",
+             "generate.echo.entropy_threshold=1.01", "generate.echo.min_position=2",
+             "generate.echo.conf_threshold=100",
              "generate.echo.delta_threshold=-100", "generate.echo.prune=false"]
     assert trees.main(["--seeds", "0", "--tokens", "400", "--ttrl-tokens", "300",
                        "--eval-every", "2", "--gain", "0.99", "--root", str(tmp_path),

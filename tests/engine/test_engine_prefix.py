@@ -23,7 +23,8 @@ def wild():
 
 
 def make(model, cache=4096, **kw):
-    return BuiltinEngine(model, **({"max_batch": 8, "segment": 4, "prefix_cache_tokens": cache} | kw))
+    defaults = {"max_batch": 8, "segment": 4, "prefix_cache_tokens": cache}
+    return BuiltinEngine(model, **(defaults | kw))
 
 
 def run(engine, requests):

@@ -1,6 +1,6 @@
-"""loop.backend=ray (rollwise/engine/ray_pool.py): rollout workers as Ray actors. One worker at seed 0
-is the in-process engine bit for bit; workers killed with SIGKILL (or frozen past the timeout) at
-random points lose no rollout and repeat none, and the metrics count the re-queued requests;
+"""loop.backend=ray (rollwise/engine/ray_pool.py): rollout workers as Ray actors. One worker at seed
+0 is the in-process engine bit for bit; workers killed with SIGKILL (or frozen past the timeout)
+at random points lose no rollout and repeat none, and the metrics count the re-queued requests;
 workers join and leave mid-run; weights reach every worker through one object-store put."""
 
 import contextlib
@@ -12,10 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from loop_helpers import (
-    SMALL,  # noqa: E402
-    _check_store,
-)
+from loop_helpers import SMALL, _check_store  # noqa: E402
 
 from rollwise.bench.crash import metric_rows, store_rows, weights  # noqa: E402
 from rollwise.config import load_config  # noqa: E402

@@ -35,7 +35,8 @@ GROUP_LOCAL = ["grpo", "dr_grpo", "rloo", "mc_grpo"]  # a group's advantages dep
 BATCH_LEVEL = ["reinforce_pp", "reinforce_pp_baseline", "gdpo"]  # whitened over the batch
 # baselines keyed by sample meta (CoD: pack, episode type, index, RED over the batch; TRACE:
 # the prefix continued, or the tree's node values): groups of repeats, not prompt groups
-# (tests/agents/test_agent_credit.py and tests/agents/test_agent_trace_tree.py check them on hand examples)
+# (tests/agents/test_agent_credit.py and tests/agents/test_agent_trace_tree.py check them on
+# hand examples)
 META_KEYED = ["cod", "trace", "trace_tree"]
 
 

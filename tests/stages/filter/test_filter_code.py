@@ -24,7 +24,8 @@ FIB = Problem("fib", "Write fib(n).", "", data={
 GOOD_SUM = "print(sum(map(int, input().split())))"
 CRASH = "raise SystemExit(1 / 0)"
 LOOP = "while True:\n    pass"
-GOOD_FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+GOOD_FIB = ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+            "        a, b = b, a + b\n    return a")
 OFF_BY_ONE_FIB = GOOD_FIB.replace("range(n)", "range(n + 1)")
 LIMITS = SandboxLimits(timeout_s=2.0, cpu_s=1)
 
