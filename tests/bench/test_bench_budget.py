@@ -29,9 +29,8 @@ def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys, 
              "task.eval_size=20", "sft.steps=20", "generate.max_new_tokens=16",
              "control.prompts_per_step=2", "task.filler_tail_mean=8"]
     assert budget.main(["--task", task, "--seeds", "0", "--methods", "grpo", "duet50",
-                        "--tokens", "300",
-                        "--target", "0.99", "--eval-every", "2", "--root", str(tmp_path),
-                        "--json", *small]) == 0
+                        "--tokens", "300", "--target", "0.99", "--eval-every", "2",
+                        "--root", str(tmp_path), "--json", *small]) == 0
     out = json.loads(capsys.readouterr().out)
     runs = {r["method"]: r for r in out["runs"]}
     assert runs["grpo"]["tokens"] >= 300 and runs["duet50"]["tokens"] >= 150
@@ -43,7 +42,7 @@ def test_bench_budget_runs_each_method_within_its_token_share(tmp_path, capsys, 
     assert "duet50_pass1_delta" in out
     grpo = runs["grpo"]
     assert not grpo["reached"] and grpo["tokens_to_target"] == grpo["tokens"]
-    assert out["task"] == task and runs["grpo"]["target"] == 0.99
+    assert out["task"] == task and grpo["target"] == 0.99
 
 
 def test_bench_budget_target_defaults_to_the_start_plus_the_gain(tmp_path, capsys):
