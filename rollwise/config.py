@@ -164,6 +164,14 @@ class EngineConfig(Section):
     """KV slots: most sequences decoded at once; the rest wait and take freed slots."""
     segment: int = Field(16, gt=0)
     """The engine reports each sequence's new tokens every `segment` tokens and at its end."""
+    graph: Literal["auto", "compile", "eager", "off"] = "auto"
+    """builtin: how decode steps run. compile: the decode graph (a Llama-family forward over
+    the slot cache, sampling on the device), torch.compile'd on a CPU and captured as CUDA
+    graphs on a GPU; compiled code is cached on disk, so later runs skip the compile. eager:
+    the decode graph uncompiled. off: the Hugging Face model's own forward for every step.
+    auto: the decode graph for the models it reproduces (checked on the live weights at the
+    first step), compiled from 10 M parameters up (below, compiling costs more than it
+    saves); off for the rest (the reason is logged)."""
     kv_budget_tokens: int | None = Field(None, gt=0)
     """Cap on KV-cache positions (slots x length); None: bounded by max_batch only.
     vllm: the KV cache is sized to hold this many tokens."""
@@ -184,6 +192,12 @@ class EngineConfig(Section):
     """vllm on a GPU: sleep while the trainer runs (1: weights offloaded to CPU, KV cache freed;
     2: both freed), waking for the weight update after each step. 0: stay awake (memory split
     by gpu_memory_utilization alone)."""
+
+    @field_validator("graph", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        """YAML reads a bare `off` as false."""
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _check_kv_budget(self):

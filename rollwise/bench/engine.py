@@ -126,11 +126,16 @@ def model_dir_of(args) -> str | None:
     return str(models.resolve_path(load_config(args.config).model.path))
 
 
-def run_builtin(model, prompts, lengths, slots) -> int:
-    engine = BuiltinEngine(model, max_batch=slots, copy_model=False)
+def run_builtin(model, prompts, lengths, slots, graph: str = "off") -> int:
+    engine = BuiltinEngine(model, max_batch=slots, copy_model=False, graph=graph)
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=n), i)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
     return sum(len(c.token_ids) for c in engine.generate(reqs))
+
+
+def run_graph(model, prompts, lengths, slots) -> int:
+    """The built-in engine on its decode graph (compiled on a CPU, captured on CUDA)."""
+    return run_builtin(model, prompts, lengths, slots, graph="compile")
 
 
 @torch.inference_mode()
@@ -159,13 +164,17 @@ def run_vllm(engine, prompts, lengths, slots) -> int:
     return done
 
 
-def measure(fns: dict, repeats: int, warmups: dict | None = None
-            ) -> dict[str, tuple[float, int]]:
-    """Median tokens/s of each backend; one warm-up each (`warmups`, else the run itself),
+def measure(fns: dict, repeats: int, warmups: dict | None = None,
+            warmup_seconds: dict | None = None) -> dict[str, tuple[float, int]]:
+    """Median tokens/s of each backend; one warm-up each (`warmups`, else the run itself; its
+    seconds go to `warmup_seconds`: a compiling backend's first one includes its compile),
     then the repeats taken in turn (builtin, hf, builtin, hf, ...) so a change in the shared
     machine's load hits both alike."""
     for name, fn in fns.items():
+        t = time.perf_counter()
         (warmups or fns)[name]()
+        if warmup_seconds is not None:
+            warmup_seconds[name] = time.perf_counter() - t
     rates: dict[str, list[float]] = {name: [] for name in fns}
     tokens: dict[str, int] = {}
     for _ in range(repeats):
@@ -197,15 +206,17 @@ def bench_local(args, backends: list[str], model, prompts_of) -> list[dict]:
                 warmups[name] = lambda eng=eng: run_vllm(eng, prompts[:slots], [4] * slots,
                                                          slots)
             else:
-                run = run_builtin if name == "builtin" else run_hf
+                run = {"builtin": run_builtin, "graph": run_graph, "hf": run_hf}[name]
                 fns[name] = lambda run=run: run(model, prompts, lengths, slots)
                 warmups[name] = lambda run=run: run(model, prompts[:slots], [4] * slots, slots)
         context = statistics.mean(map(len, prompts)) + statistics.mean(lengths) / 2
         warm = warmups if args.shape == "rl" else None  # a full RL-shape run is minutes
-        for name, (rate, tokens) in measure(fns, args.repeats, warm).items():
+        warm_s: dict[str, float] = {}
+        for name, (rate, tokens) in measure(fns, args.repeats, warm, warm_s).items():
             rows.append(dict(scenario=kind, requests=n, slots=slots, backend=name,
                              tokens=tokens, tokens_per_s=round(rate, 1),
-                             mean_context=round(context, 1)))
+                             mean_context=round(context, 1),
+                             warmup_s=round(warm_s[name], 2)))
             if not args.json:
                 print(f"  {kind:9s} {n:4d} req / {slots:3d} slots  {name:8s} {rate:9.0f} tok/s",
                       file=sys.stderr)
@@ -246,20 +257,21 @@ def table(rows: list[dict]) -> str:
     keyed = {}
     for r in rows:
         keyed.setdefault((r["scenario"], r["requests"], r["slots"]), {})[r["backend"]] = r
-    lines = ["| scenario | requests / slots | built-in tok/s | HF generate tok/s | vLLM tok/s | "
-             "built-in / HF | built-in / vLLM | built-in of bound |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| scenario | requests / slots | graph tok/s | built-in eager tok/s | "
+             "HF generate tok/s | vLLM tok/s | graph / eager | graph / HF | graph / vLLM | "
+             "graph of bound |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (kind, n, slots), by in keyed.items():
         def cell(b):
             return f"{by[b]['tokens_per_s']:.0f}" if b in by else "-"
 
         def ratio(b):
-            return f"{by['builtin']['tokens_per_s'] / by[b]['tokens_per_s']:.2f}x" \
-                if "builtin" in by and b in by else "-"
-        bound = f"{by['builtin']['of_bound']:.0%}" if "of_bound" in by.get("builtin", {}) \
+            return f"{by['graph']['tokens_per_s'] / by[b]['tokens_per_s']:.2f}x" \
+                if "graph" in by and b in by else "-"
+        bound = f"{by['graph']['of_bound']:.0%}" if "of_bound" in by.get("graph", {}) \
             else "-"
-        lines.append(f"| {kind} | {n} / {slots} | {cell('builtin')} | {cell('hf')} | "
-                     f"{cell('vllm')} | {ratio('hf')} | {ratio('vllm')} | {bound} |")
+        lines.append(f"| {kind} | {n} / {slots} | {cell('graph')} | {cell('builtin')} | "
+                     f"{cell('hf')} | {cell('vllm')} | {ratio('builtin')} | {ratio('hf')} | "
+                     f"{ratio('vllm')} | {bound} |")
     return "\n".join(lines)
 
 
@@ -277,7 +289,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the weights' and K/V's dtype, for every backend")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backends", default="builtin,hf,vllm")
+    ap.add_argument("--backends", default="graph,builtin,hf,vllm",
+                    help="graph: the built-in engine's decode graph; builtin: its eager path "
+                         "(the runner); hf: HF generate; vllm: vLLM in .venv-vllm")
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                     help="the vLLM environment's python (skipped if missing)")
     ap.add_argument("--no-roofline", action="store_true", help="skip measuring the bounds")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -92,11 +93,43 @@ def gen_inputs(n: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, prompt_len), generator=g).tolist()
 
 
-def run_builtin(model, prompts, new_tokens: int) -> int:
-    engine = BuiltinEngine(model, max_batch=len(prompts), copy_model=False)
-    p = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_ids=())
-    return sum(len(c.token_ids) for c in engine.generate([Request(x, p, i)
-                                                           for i, x in enumerate(prompts)]))
+def run_builtin(model, prompts, new_tokens: int | list[int], graph: str = "off") -> int:
+    """The built-in engine, every request forced to its length (one for all, or one each):
+    graph="off" is its eager path, "compile" its decode graph (CUDA graphs on a GPU)."""
+    lengths = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    engine = BuiltinEngine(model, max_batch=len(prompts), copy_model=False, graph=graph)
+    reqs = [Request(x, SamplingParams(temperature=1.0, max_new_tokens=n, stop_ids=()), i)
+            for i, (x, n) in enumerate(zip(prompts, lengths))]
+    return sum(len(c.token_ids) for c in engine.generate(reqs))
+
+
+def run_graph(model, prompts, new_tokens: int | list[int]) -> int:
+    return run_builtin(model, prompts, new_tokens, graph="compile")
+
+
+def hf_continuous_batching(model):
+    """transformers' own continuous batching (`generate_batch`: paged attention, CUDA graphs
+    where this version has them) as run(prompts, new_tokens) -> tokens, or the reason it
+    cannot run here. Its requests stop at an end token: none is set, so each runs to
+    new_tokens (one length for all)."""
+    if not hasattr(model, "generate_batch"):
+        return None, "this transformers has no generate_batch"
+    import inspect
+
+    from transformers import GenerationConfig
+
+    def run(prompts, new_tokens: int) -> int:
+        gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, eos_token_id=None,
+                               pad_token_id=0, use_cuda_graph=True)
+        kwargs = {}
+        if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+                use_cuda_graph=model.device.type == "cuda")
+        with torch.inference_mode():
+            out = model.generate_batch(prompts, generation_config=gen, **kwargs)
+        return sum(len(o.generated_tokens) for o in out.values())
+    return run, None
 
 
 @torch.inference_mode()
@@ -124,7 +157,8 @@ def vllm_runner(model, tmp: str, max_seqs: int, max_len: int):
     return run
 
 
-def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens: int) -> float:
+def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens: float
+                    ) -> float:
     """The bandwidth bound alone (a GPU's decode is memory-bound): roofline.decode_bound's
     memory side at the mean context."""
     step = roofline.decode_bytes_per_step(model, batch, prompt_len + new_tokens / 2,
@@ -132,26 +166,72 @@ def decode_roofline(model, peaks: dict, batch: int, prompt_len: int, new_tokens:
     return batch * peaks["bandwidth"] / step
 
 
+def tail_lengths(n: int, new_tokens: int) -> list[int]:
+    """A long-tail RL profile with the same cap: geometric lengths with median new_tokens / 5,
+    1 in 10 run to the cap (bench engine's rl longtail, scaled)."""
+    from rollwise.bench.engine import _geometric
+    rng = random.Random(0)
+    return [new_tokens if rng.random() < 0.1 else min(new_tokens, _geometric(rng, max(
+        1, new_tokens // 5))) for _ in range(n)]
+
+
 def bench_generation(args, model, peaks) -> list[dict]:
+    """Decode tokens/s of each backend on equal lengths (every sequence --new-tokens) and on a
+    long tail (the same cap), against the bandwidth roofline at the mean context."""
     rows = []
     vocab = model.config.vocab_size
+    cb, cb_missing = hf_continuous_batching(model)
     with tempfile.TemporaryDirectory() as tmp:
         vllm_run = vllm_runner(model, tmp, max(args.seqs), args.prompt_len + args.new_tokens)
-        for n in args.seqs:
+        for n in args.seqs:  # the long tail at the largest batch only (the check's time)
             prompts = gen_inputs(n, args.prompt_len, vocab)
-            fns = {"builtin": lambda: run_builtin(model, prompts, args.new_tokens),
-                   "hf": lambda: run_hf(model, prompts, args.new_tokens)}
-            if vllm_run is not None:
-                fns["vllm"] = lambda: vllm_run(prompts, args.new_tokens)
-            roof = decode_roofline(model, peaks, n, args.prompt_len, args.new_tokens)
-            timed = {name: synced(fn, args.device) for name, fn in fns.items()}
-            for name, (rate, _) in measure(timed, args.repeats).items():
-                rows.append({"part": "generate", "backend": name, "sequences": n,
-                             "tokens_per_s": rate, "roofline_tokens_per_s": roof,
-                             "of_roofline": rate / roof})
-            if vllm_run is None:
-                rows.append({"part": "generate", "backend": "vllm", "sequences": n,
-                             "skipped": "vllm is not importable in this environment"})
+            for profile_name in ("equal", "longtail")[:2 if n == max(args.seqs) else 1]:
+                rows += _generation_rows(args, model, peaks, prompts, profile_name, cb,
+                                         cb_missing, vllm_run)
+    return rows
+
+
+def _generation_rows(args, model, peaks, prompts, profile_name, cb, cb_missing, vllm_run):
+    n = len(prompts)
+    lengths = [args.new_tokens] * n if profile_name == "equal" else \
+        tail_lengths(n, args.new_tokens)
+    fns = {"graph": lambda: run_graph(model, prompts, lengths),
+           "builtin": lambda: run_builtin(model, prompts, lengths)}
+    skipped = {}
+    if profile_name == "equal":  # one length for all: what these peers can force
+        fns["hf"] = lambda: run_hf(model, prompts, args.new_tokens)
+        if cb is not None:
+            fns["hf_cb"] = lambda: cb(prompts, args.new_tokens)
+        else:
+            skipped["hf_cb"] = cb_missing
+        if vllm_run is not None:
+            fns["vllm"] = lambda: vllm_run(prompts, args.new_tokens)
+        else:
+            skipped["vllm"] = "vllm is not importable in this environment"
+    mean_new = sum(lengths) / n
+    roof = decode_roofline(model, peaks, n, args.prompt_len, mean_new)
+    timed, errors = {}, {}
+    for name, fn in fns.items():
+        timed[name] = synced(fn, args.device)
+    warm: dict[str, float] = {}
+    rows = []
+    try:
+        results = measure(timed, args.repeats, warmup_seconds=warm)
+    except Exception as e:  # a peer that fails here is reported, the rest measured alone
+        errors = {"error": f"{type(e).__name__}: {e}"}
+        results = {}
+        for name, fn in timed.items():
+            try:
+                results.update(measure({name: fn}, args.repeats, warmup_seconds=warm))
+            except Exception as inner:
+                skipped[name] = f"{type(inner).__name__}: {inner}"
+    for name, (rate, _) in results.items():
+        rows.append({"part": "generate", "profile": profile_name, "backend": name,
+                     "sequences": n, "tokens_per_s": rate, "roofline_tokens_per_s": roof,
+                     "of_roofline": rate / roof, "warmup_s": warm.get(name), **errors})
+    for name, why in skipped.items():
+        rows.append({"part": "generate", "profile": profile_name, "backend": name,
+                     "sequences": n, "skipped": why})
     return rows
 
 
@@ -228,8 +308,9 @@ def table(result: dict) -> str:
             lines.append(f"| generate | {r['backend']} @ {r['sequences']} | not run: "
                          f"{r['skipped']} | | |")
         elif r["part"] == "generate":
-            lines.append(f"| generate | {r['backend']} @ {r['sequences']} seqs | "
-                         f"{r['tokens_per_s']:.0f} | {r['roofline_tokens_per_s']:.0f} tok/s | "
+            lines.append(f"| generate {r.get('profile', 'equal')} | {r['backend']} @ "
+                         f"{r['sequences']} seqs | {r['tokens_per_s']:.0f} | "
+                         f"{r['roofline_tokens_per_s']:.0f} tok/s | "
                          f"{r['of_roofline']:.1%} of bandwidth roofline |")
         else:
             mem = "" if r["peak_memory_gib"] is None else f", peak {r['peak_memory_gib']:.1f} GiB"
@@ -252,16 +333,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-groups", type=int, default=4, help="groups of 8 per update")
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-generate", action="store_true", help="training rows only")
+    ap.add_argument("--no-train", action="store_true", help="generation rows only")
     return ap
 
 
 def run(args, peaks: dict | None = None) -> dict:
     """The benchmark's result for parsed arguments (peaks measured unless given)."""
     peaks = peaks or device_peaks(args.device)
-    model = build(args.preset, args.device)
-    rows = bench_generation(args, model, peaks)
-    del model
-    rows += bench_training(args, peaks)
+    rows = []
+    if not args.no_generate:
+        model = build(args.preset, args.device)
+        rows += bench_generation(args, model, peaks)
+        del model
+    if not args.no_train:
+        rows += bench_training(args, peaks)
     return {"benchmark": "gpu", "preset": args.preset, **peaks, "rows": rows}
 
 

@@ -5,8 +5,12 @@
 
 Parts, each timed; one that fails is recorded with its error and the others still run (the
 JSON is rewritten after each, so a run cut short keeps what finished):
-  bench_gpu  `rollwise bench gpu` (engine and trainer beside the device's peaks) at
-             SmolLM2-135M's and Qwen2.5-0.5B's shapes, random weights built from a config
+  decode     `rollwise bench gpu`'s generation at SmolLM2-135M's and Qwen2.5-0.5B's shapes
+             (random weights built from a config): the decode graph (compiled, CUDA graphs),
+             the eager engine, HF `generate` and transformers' continuous batching, equal
+             lengths and a long tail, beside the bandwidth roofline; then the decode graph's
+             host launches per decode pass and its compile-and-capture time
+  bench_gpu  `rollwise bench gpu`'s training rows (the update beside the device's peak)
   train      20 steps of the default run with run.device set; on a GPU it must learn
              (held-out pass@1 rises)
   fsdp2      one update of the FSDP2 trainer (train.world_size=1, NCCL) against the plain
@@ -38,14 +42,73 @@ TINY_RUN = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
             "run.threads=1", "filter.workers=0"]
 
 
-def bench_gpu(device: str, tiny: bool) -> dict:
+def decode(device: str, tiny: bool) -> dict:
+    """`bench gpu`'s generation rows at SmolLM2's and Qwen2.5-0.5B's shapes (the decode graph,
+    the eager engine, HF generate and transformers' continuous batching; equal lengths and a
+    long tail), then the decode graph's host launches per decode step."""
     from rollwise.bench import gpu
     if tiny:
-        argv = [["--preset", "tiny", "--seqs", "2,4", "--new-tokens", "4", "--prompt-len", "6",
-                 "--response-len", "8", "--train-groups", "2", "--repeats", "1",
-                 "--microbatch-tokens", "64"]]
+        argv = [["--preset", "tiny", "--seqs", "2,4", "--new-tokens", "6", "--prompt-len", "6",
+                 "--repeats", "1", "--no-train"]]
     else:
-        argv = [["--preset", p, "--repeats", "2"] for p in ("smollm2", "0.5b")]
+        argv = [["--preset", p, "--repeats", "1", "--no-train"] for p in ("smollm2", "0.5b")]
+    peaks = gpu.device_peaks(device)
+    out = {a[1]: gpu.run(gpu.parser().parse_args(["--device", device, *a]), peaks)
+           for a in argv}
+    out["launches"] = decode_launches(device, tiny)
+    return out
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+            "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def decode_launches(device: str, tiny: bool) -> dict:
+    """Host calls that start device work (kernel launches, graph launches, copies) per decode
+    pass of the decode graph, once its graphs are captured: SmolLM2's shape, 64 sequences."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollwise.bench import gpu
+    from rollwise.engine import BuiltinEngine, Request, SamplingParams
+    preset, n, prompt_len, new = ("tiny", 4, 8, 8) if tiny else ("smollm2", 64, 128, 64)
+    model = gpu.build(preset, device)
+    prompts = gpu.gen_inputs(n, prompt_len, model.config.vocab_size)
+    engine = BuiltinEngine(model, max_batch=n, copy_model=False, graph="compile")
+    reqs = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=new), i)
+            for i, p in enumerate(prompts)]
+    t = time.perf_counter()
+    engine.generate(reqs)  # compiles and captures
+    first = time.perf_counter() - t
+    passes = engine.forward_passes
+    gpu.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        engine.generate(reqs)
+        gpu.sync(device)
+        wall = time.perf_counter() - t
+    passes = engine.forward_passes - passes
+    events = prof.key_averages()
+    calls = {e.key: e.count for e in events if e.key in LAUNCHES}
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"shape": {"preset": preset, "sequences": n, "prompt_len": prompt_len,
+                      "new_tokens": new},
+            "first_run_s": first, "profiled_wall_s": wall, "forward_passes": passes,
+            "graph_captures": engine.graph.captures if engine.graph else None,
+            "host_launch_calls": calls,
+            "host_launches_per_pass": sum(calls.values()) / passes if device != "cpu" else None,
+            "device_kernels_per_pass": kernels / passes if device != "cpu" else None}
+
+
+def bench_gpu(device: str, tiny: bool) -> dict:
+    """`bench gpu`'s training rows at SmolLM2's and Qwen2.5-0.5B's shapes."""
+    from rollwise.bench import gpu
+    if tiny:
+        argv = [["--preset", "tiny", "--response-len", "8", "--prompt-len", "6",
+                 "--train-groups", "2", "--repeats", "1", "--microbatch-tokens", "64",
+                 "--no-generate"]]
+    else:
+        argv = [["--preset", p, "--repeats", "2", "--no-generate"] for p in ("smollm2", "0.5b")]
     peaks = gpu.device_peaks(device)
     return {a[1]: gpu.run(gpu.parser().parse_args(["--device", device, *a]), peaks)
             for a in argv}
@@ -146,7 +209,8 @@ def profile(device: str, tiny: bool) -> dict:
                       "new_tokens": new, "update_tokens_per_sample": response_len}, **out}
 
 
-PARTS = {"bench_gpu": bench_gpu, "train": train, "fsdp2": fsdp2, "profile": profile}
+PARTS = {"decode": decode, "bench_gpu": bench_gpu, "train": train, "fsdp2": fsdp2,
+         "profile": profile}
 
 
 def environment(device: str) -> dict:

@@ -111,6 +111,16 @@ class SlotCache:
                 store[i] = new
         self.rows, self.length = rows, length
 
+    def allocate(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Allocate every layer at the current shape now (a graph pass writes all of them;
+        the runner's path allocates each at its first write)."""
+        for store in (self.k, self.v):
+            for i in range(layers):
+                if i not in store:
+                    store[i] = torch.zeros(self.rows, kv_heads, self.length, head_dim,
+                                           dtype=dtype, device=device)
+
     def copy(self, src: int, dst: int, n: int) -> None:
         self.copy_many([(src, dst, n)])
 
@@ -439,8 +449,9 @@ class Runner:
                     return
                 ids_t = picked
 
-    def _prepare(self, plan: StepPlan) -> tuple[StepLayout, list[int], list[int] | None]:
-        param = next(self.model.parameters())
+    def prepare(self, plan: StepPlan) -> None:
+        """The slot cache as the plan needs it: its shape, fork and compaction copies, prefix
+        loads (what every path does before its pass)."""
         if plan.copies:  # copies may read rows the new shape drops: grow, copy, then shrink
             self.cache.resize(max(plan.cache_rows, self.cache.rows),
                               max(plan.cache_len, self.cache.length))
@@ -448,6 +459,10 @@ class Runner:
         self.cache.resize(plan.cache_rows, plan.cache_len)
         for entry, slot, n in plan.loads:
             self.cache.write(slot, self.prefixes[entry], n)
+
+    def _prepare(self, plan: StepPlan) -> tuple[StepLayout, list[int], list[int] | None]:
+        self.prepare(plan)
+        param = next(self.model.parameters())
         return build_layout(plan, param.device, param.dtype)
 
     def keep_prefixes(self, saves: list[tuple[int, int, int]], drops: list[int]) -> None:

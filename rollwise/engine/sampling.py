@@ -7,10 +7,10 @@ request's tokens do not depend on which other requests share its batch.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,81 @@ def _inverse_cdf(logp: torch.Tensor, probs: torch.Tensor, uniforms: list[float])
     return picked if bool(ok.all()) else torch.where(ok, picked, logp.argmax(-1))
 
 
+CDF_BLOCK = 256  # the graph sampler's inverse CDF: block sums, then a scan of one block
+
+
+def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, uniforms: torch.Tensor, filtered: bool,
+                    greedy_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample` as one traceable graph, for decode graphs: per-row settings as device
+    tensors, no branch on their values and no host read. Fixed when the graph is built:
+    `filtered` (some row has top-k or top-p: a sort of the vocabulary) and `greedy_rows` (some
+    row has temperature 0: an argmax pass).
+
+    The same distribution as sampling_logprobs, drawn by inverse CDF on the row's uniform,
+    in two passes over the vocabulary instead of a log-softmax, a cumsum and an entropy pass:
+    the maximum, then per-block sums of exp(x - max) (and of exp(x - max) * x, for the
+    entropy); the token's block is found on the block sums and the token by scanning that
+    one block. Returns (tokens, their log-probabilities, entropies)."""
+    greedy = temperature == 0
+    x = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    if filtered:
+        x = _filter(x, top_k, top_p)
+    rows, vocab = x.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    if blocks * CDF_BLOCK != vocab:
+        x = F.pad(x, (0, blocks * CDF_BLOCK - vocab), value=float("-inf"))
+    top = x.max(-1).values
+    e = (x - top[:, None]).exp()  # 0 outside the support
+    block_mass = e.view(rows, blocks, CDF_BLOCK).sum(-1)
+    mass = block_mass.sum(-1)
+    log_z = top + mass.log()
+    entropy = log_z - (e * x.clamp_min(torch.finfo(x.dtype).min)).sum(-1) / mass
+    # the block where the CDF passes u * mass (right=True: never a block of zero mass), then
+    # the token inside it; rounding at the top of the CDF falls back to the last block or
+    # token that has mass
+    cdf = block_mass.cumsum(-1)
+    target = uniforms.to(cdf.dtype) * cdf[:, -1]
+    block = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    block = torch.where(block < blocks, block, _last_positive(block_mass))
+    before = torch.where(block > 0, cdf.gather(-1, (block[:, None] - 1).clamp_min(0))[:, 0],
+                         0.0)
+    start = (block * CDF_BLOCK)[:, None] + torch.arange(CDF_BLOCK, device=x.device)[None, :]
+    inner = (x.gather(-1, start) - top[:, None]).exp()
+    offset = torch.searchsorted(inner.cumsum(-1), (target - before)[:, None], right=True)[:, 0]
+    offset = torch.where(offset < CDF_BLOCK, offset, _last_positive(inner))
+    tokens = block * CDF_BLOCK + offset
+    if greedy_rows:
+        tokens = torch.where(greedy, x.argmax(-1), tokens)
+    token_logp = x.gather(-1, tokens[:, None])[:, 0] - log_z
+    return tokens, token_logp, entropy
+
+
+def logprobs_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, filtered: bool) -> torch.Tensor:
+    """sampling_logprobs as a traceable graph (`filtered` fixed when it is built): the whole
+    (rows, vocab) table, for top log-probabilities and forks onto another token."""
+    x = logits.float() / torch.where(temperature == 0, 1.0, temperature)[:, None]
+    return (_filter(x, top_k, top_p) if filtered else x).log_softmax(-1)
+
+
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """Per row, the last index whose value is > 0 (rows hold at least one)."""
+    index = torch.arange(values.shape[-1], device=values.device)
+    return torch.where(values > 0, index, -1).max(-1).values
+
+
+def _filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p per row (k = 0, p = 1: off), as sampling_logprobs does: -inf outside."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    rank = torch.arange(x.shape[-1], device=x.device)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    probs = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
+    drop = drop | (probs.cumsum(-1) - probs >= top_p[:, None])
+    return torch.full_like(x, float("-inf")).scatter(-1, order,
+                                                     sorted_x.masked_fill(drop, float("-inf")))
+
+
 def derived_seed(seed: int, n_tokens: int) -> int:
     """The seed of a sequence's continuation after `n_tokens` tokens, when it is submitted
     again as a new request (vLLM's resume, a Ray worker's re-queue): a fresh stream, so the
@@ -166,11 +241,59 @@ def derived_seed(seed: int, n_tokens: int) -> int:
     return (seed * 1_000_003 + n_tokens) % (1 << 63)
 
 
+# A request's uniforms are a hash of (its seed, how many it drew before): a counter-based stream
+# (as Philox is), so the host and the device compute the same values, a decode graph draws them
+# with no host work, and a sequence's draws never depend on its batch. The hash works on 32-bit
+# halves held in int64 with every product below 2**63, so Python's integers and torch's int64
+# tensors (CPU and CUDA, eager or compiled) give identical bits.
+_MASK32 = 0xFFFFFFFF
+_STREAM_SALT = (0x9E3779B9, 0x7F4A7C15)  # distinct inputs for the counter and the seed's halves
+_UNIFORM_BITS = 24  # exactly representable in float32 as in float64
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for 0 <= x, c < 2**32, by 16-bit halves of x (no product reaches 2**49)."""
+    return ((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c & _MASK32
+
+
+def _mix32(x):
+    """MurmurHash3's 32-bit finaliser on ints or int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _stream_bits(seed, count):
+    """24 hashed bits of (seed >= 0, count >= 0): Python ints or int64 tensors alike."""
+    h = _mix32((count & _MASK32) ^ _STREAM_SALT[0])
+    h = _mix32(h ^ (seed & _MASK32))
+    h = _mix32(h ^ ((seed >> 32) & _MASK32) ^ _STREAM_SALT[1])
+    return h >> (32 - _UNIFORM_BITS)
+
+
+def stream_uniform(seed: int, count: int) -> float:
+    """The `count`-th uniform in [0, 1) of the stream `seed`."""
+    return _stream_bits(seed, count) * 2.0 ** -_UNIFORM_BITS
+
+
+def stream_uniforms(seeds: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """stream_uniform over int64 tensors (any device), as float32: the same values."""
+    return _stream_bits(seeds, counts).to(torch.float32) * 2.0 ** -_UNIFORM_BITS
+
+
 class SeedStream:
-    """A per-request stream of uniforms."""
+    """A request's uniforms: stream_uniform(seed, 0), (seed, 1), ... `count` says how many
+    were drawn, so a decode graph can draw the next ones on the device and `advance` past them."""
 
     def __init__(self, seed: int):
-        self._rng = random.Random(seed)
+        self.seed = seed % (1 << 63)  # any integer (a client's negative seed too)
+        self.count = 0
 
     def next(self) -> float:
-        return self._rng.random()
+        self.count += 1
+        return stream_uniform(self.seed, self.count - 1)
+
+    def advance(self, n: int) -> None:
+        self.count += n

@@ -338,11 +338,14 @@ class Scheduler:
 
     def update_window(self, plan: StepPlan, tokens: list[list[int]],
                       logprobs: list[list[float]], entropies: list[list[float]],
-                      version: int) -> list[Event]:
+                      version: int, top_logprobs: list | None = None,
+                      hidden: list | None = None) -> list[Event]:
         """`update` for a decode window: row i of each list holds plan.decode[i]'s tokens of
-        the window (`decode_window` steps), cut after a stop id."""
+        the window (`decode_window` steps), cut after a stop id; `top_logprobs` the same
+        rows' per-token lists, `hidden` each row's hidden state at its last kept token."""
         events = []
-        for seq, toks, lps, ents in zip(plan.decode, tokens, logprobs, entropies):
+        for i, (seq, toks, lps, ents) in enumerate(zip(plan.decode, tokens, logprobs,
+                                                       entropies)):
             if seq.status is not SeqStatus.RUNNING:
                 continue
             stops = seq.params.stop_ids
@@ -352,6 +355,10 @@ class Scheduler:
             seq.logprobs += lps[:cut]
             seq.entropies += ents[:cut]
             seq.versions += [version] * cut
+            if top_logprobs is not None and seq.params.top_logprobs:
+                seq.top_logprobs += top_logprobs[i][:cut]
+            if hidden is not None and hidden[i] is not None:
+                seq.hidden = hidden[i]
             seq.cached = len(seq.prompt) + len(seq.tokens) - 1
             if self._settle(seq):
                 events.append(self.event(seq))

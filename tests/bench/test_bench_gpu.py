@@ -16,9 +16,12 @@ def test_bench_gpu_on_cpu_reports_every_part(capsys):
     assert gpu.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     gen = [r for r in out["rows"] if r["part"] == "generate" and "skipped" not in r]
-    assert {(r["backend"], r["sequences"]) for r in gen} >= {("builtin", 2), ("hf", 2),
-                                                            ("builtin", 4), ("hf", 4)}
+    assert {(r["backend"], r["sequences"], r["profile"]) for r in gen} >= {
+        (b, n, "equal") for b in ("graph", "builtin", "hf") for n in (2, 4)} | {
+        ("graph", 4, "longtail"), ("builtin", 4, "longtail")}
     assert all(r["tokens_per_s"] > 0 and 0 < r["of_roofline"] < 1 for r in gen)
+    for r in out["rows"]:  # peers this machine lacks say why
+        assert "skipped" not in r or r["skipped"]
     train = [r for r in out["rows"] if r["part"] == "train"]
     assert [r["gradient_checkpointing"] for r in train] == [False, True]
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in train)

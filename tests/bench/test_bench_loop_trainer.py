@@ -78,7 +78,7 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["parts"]) == {"bench_gpu", "train", "fsdp2", "profile"}
+    assert set(result["parts"]) == {"decode", "bench_gpu", "train", "fsdp2", "profile"}
     assert all(p["ok"] for p in result["parts"].values())
     assert result["parts"]["fsdp2"]["max_weight_gap"] < 1e-5 < \
         result["parts"]["fsdp2"]["max_weight_change"]
@@ -86,5 +86,10 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
         prof = result["parts"]["profile"][run]
         assert prof["wall_s"] > 0 and prof["top_ops"] and prof["device_busy_s"] is None
         assert all(op["op"].startswith("aten::") and op["calls"] > 0 for op in prof["top_ops"])
-    rows = result["parts"]["bench_gpu"]["tiny"]["rows"]
-    assert {r["part"] for r in rows} == {"generate", "train"}
+    assert {r["part"] for r in result["parts"]["bench_gpu"]["tiny"]["rows"]} == {"train"}
+    rows = result["parts"]["decode"]["tiny"]["rows"]
+    measured = {(r["backend"], r["profile"]) for r in rows if "skipped" not in r}
+    assert {("graph", "equal"), ("builtin", "equal"), ("hf", "equal"), ("graph", "longtail"),
+            ("builtin", "longtail")} <= measured
+    launches = result["parts"]["decode"]["launches"]
+    assert launches["forward_passes"] > 0 and launches["host_launches_per_pass"] is None

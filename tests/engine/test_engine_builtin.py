@@ -1,6 +1,7 @@
 """Built-in engine specifics beyond the shared contract: other architectures, fork without
 re-prefill, invisible pause/resume, batch-independent seeds, in-place weights, the KV budget,
-shared prompt prefills and hidden states."""
+shared prompt prefills and hidden states; each on the runner's path and on the decode graph
+(uncompiled here: its arithmetic and bookkeeping; compiled in the contract suite)."""
 
 import dataclasses
 
@@ -19,19 +20,24 @@ def wild():
     return contract.wild_model()[0]
 
 
-def make(model, **kw):
-    return BuiltinEngine(model, **({"max_batch": 4, "segment": 4} | kw))
+@pytest.fixture(params=["off", "eager"], ids=["runner", "graph"])
+def make(request):
+    def build(model, **kw):
+        return BuiltinEngine(model, **({"max_batch": 4, "segment": 4, "graph": request.param}
+                                       | kw))
+    build.graph = request.param
+    return build
 
 
 @pytest.mark.parametrize("arch,heads,kv_heads", [("llama", 2, 2), ("qwen2", 4, 1)])
-def test_greedy_matches_hf_for_other_architectures(arch, heads, kv_heads):
+def test_greedy_matches_hf_for_other_architectures(arch, heads, kv_heads, make):
     model, _ = contract.wild_model(arch=arch, heads=heads, kv_heads=kv_heads, seed=4)
     got = make(model, max_batch=2).generate(
         [Request(p, SamplingParams(temperature=0, max_new_tokens=8)) for p in PROMPTS])
     assert [c.token_ids for c in got] == [hf_greedy(model, p, 8) for p in PROMPTS]
 
 
-def test_tokens_do_not_depend_on_batch_mates(wild):
+def test_tokens_do_not_depend_on_batch_mates(wild, make):
     params = [dataclasses.replace(SAMPLE, seed=s) for s in (1, 2, 3)]
     alone = [make(wild).generate([Request(PROMPTS[i], params[i])])[0].token_ids
              for i in range(3)]
@@ -41,7 +47,7 @@ def test_tokens_do_not_depend_on_batch_mates(wild):
     assert [c.token_ids for c in together[2:5]] == alone
 
 
-def test_fork_copies_kv_without_prefill_and_branches_on_an_alternative_token(wild):
+def test_fork_copies_kv_without_prefill_and_branches_on_an_alternative_token(wild, make):
     engine = make(wild)
     sid = engine.add(Request(PROMPTS[3], dataclasses.replace(SAMPLE, seed=8)))
     events = contract.run_to_tokens(engine, sid, 4)
@@ -65,7 +71,7 @@ def test_fork_copies_kv_without_prefill_and_branches_on_an_alternative_token(wil
     assert (lp[3:] - torch.tensor(got)).abs().max() < 1e-4  # alt's log p from the parent's row
 
 
-def test_pause_resume_is_invisible_to_the_tokens(wild):
+def test_pause_resume_is_invisible_to_the_tokens(wild, make):
     params = dataclasses.replace(SAMPLE, seed=21, max_new_tokens=12)
     straight = make(wild).generate([Request(PROMPTS[1], params)])[0]
     engine = make(wild)
@@ -80,7 +86,7 @@ def test_pause_resume_is_invisible_to_the_tokens(wild):
     assert first.token_ids + rest == straight.token_ids  # the random stream continued
 
 
-def test_load_weights_matches_a_fresh_engine_and_stamps_in_flight_tokens():
+def test_load_weights_matches_a_fresh_engine_and_stamps_in_flight_tokens(make):
     old, _ = contract.wild_model(seed=1)
     new, _ = contract.wild_model(seed=2)
     engine = make(old)
@@ -96,7 +102,7 @@ def test_load_weights_matches_a_fresh_engine_and_stamps_in_flight_tokens():
     assert [c.token_ids for c in got] == [c.token_ids for c in make(new).generate(reqs)]
 
 
-def test_sparse_update_equals_full_update_and_bad_input_is_named():
+def test_sparse_update_equals_full_update_and_bad_input_is_named(make):
     base, _ = contract.wild_model(seed=1)
     target, _ = contract.wild_model(seed=2)
     full, sparse = make(base), make(base)
@@ -117,7 +123,7 @@ def test_sparse_update_equals_full_update_and_bad_input_is_named():
         sparse.load_weights({"model.norm.weight": (torch.tensor([10**6]), torch.ones(1))}, 2)
 
 
-def test_in_place_writes_to_the_model_state_dict_are_live(wild):
+def test_in_place_writes_to_the_model_state_dict_are_live(wild, make):
     """Weight sync may write engine.model.state_dict() tensors directly."""
     engine = make(wild)
     new, _ = contract.wild_model(seed=7)
@@ -129,7 +135,7 @@ def test_in_place_writes_to_the_model_state_dict_are_live(wild):
     assert [c.token_ids for c in got] == [hf_greedy(new, p, 6) for p in PROMPTS]
 
 
-def test_kv_budget_bounds_the_cache_and_leaves_results_unchanged(wild):
+def test_kv_budget_bounds_the_cache_and_leaves_results_unchanged(wild, make):
     reqs = [Request(p, dataclasses.replace(SAMPLE, seed=i, max_new_tokens=4 + 3 * i))
             for i, p in enumerate(PROMPTS)]
     free = make(wild, max_batch=6).generate(reqs)
@@ -146,7 +152,7 @@ def test_kv_budget_bounds_the_cache_and_leaves_results_unchanged(wild):
     assert [c.token_ids for c in budgeted] == [c.token_ids for c in free]
 
 
-def test_long_tail_with_slot_moves_and_cache_shrinks_equals_each_request_alone(wild):
+def test_long_tail_with_slot_moves_and_cache_shrinks_equals_each_request_alone(wild, make):
     """When the short requests end, the long ones in the top slots move down (K/V row copies)
     while the cache shrinks (24 rows to 8) in the same step; a second batch reuses the engine.
     None of it may change a token."""
@@ -162,7 +168,7 @@ def test_long_tail_with_slot_moves_and_cache_shrinks_equals_each_request_alone(w
     assert [c.token_ids for c in got] == [alone.generate([r])[0].token_ids for r in reqs]
 
 
-def test_a_group_shares_one_prompt_prefill_and_matches_separate_runs(wild):
+def test_a_group_shares_one_prompt_prefill_and_matches_separate_runs(wild, make):
     params = [dataclasses.replace(SAMPLE, seed=s) for s in range(8)]
     engine = make(wild, max_batch=8)
     group = engine.generate([Request(PROMPTS[3], p) for p in params])
@@ -172,7 +178,7 @@ def test_a_group_shares_one_prompt_prefill_and_matches_separate_runs(wild):
     assert len({tuple(t) for t in alone}) > 1
 
 
-def test_hidden_state_is_the_lm_head_input_of_the_last_token(wild):
+def test_hidden_state_is_the_lm_head_input_of_the_last_token(wild, make):
     params = dataclasses.replace(SAMPLE, seed=2, max_new_tokens=5, return_hidden=True)
     c = make(wild).generate([Request(PROMPTS[1], params)])[0]
     with torch.no_grad():
@@ -181,7 +187,7 @@ def test_hidden_state_is_the_lm_head_input_of_the_last_token(wild):
     assert (out.last_hidden_state[0, -1] - c.hidden).abs().max() < 1e-4
 
 
-def test_shared_model_keeps_its_attention_and_mode(wild):
+def test_shared_model_keeps_its_attention_and_mode(wild, make):
     impl = wild.config._attn_implementation
     wild.train()
     try:
@@ -194,7 +200,7 @@ def test_shared_model_keeps_its_attention_and_mode(wild):
         wild.eval()
 
 
-def test_bad_requests_are_refused_with_the_fix(wild):
+def test_bad_requests_are_refused_with_the_fix(wild, make):
     engine = make(wild)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add(Request([], SAMPLE))
@@ -207,10 +213,13 @@ def test_bad_requests_are_refused_with_the_fix(wild):
         engine.fork(0, 2, seeds=[1])
 
 
-def test_decode_windows_match_one_pass_per_step(wild):
+def test_decode_windows_match_one_pass_per_step(wild, make):
     """Passes run back to back inside one step() (nobody to admit, no event due) give the same
-    tokens, log-probabilities and events as one pass per step() (top_logprobs forces that),
-    including sequences that end on a stop id inside a window."""
+    tokens, log-probabilities and events as one pass per step() (top_logprobs forces that on
+    the runner's path), including sequences that end on a stop id inside a window."""
+    if make.graph != "off":
+        pytest.skip("the decode graph runs windows with top_logprobs too: "
+                    "test_decode_graph.py compares its windows with the runner's steps")
     params = [dataclasses.replace(SAMPLE, seed=s, max_new_tokens=6 + 3 * s) for s in range(6)]
     first = make(wild).generate([Request(p, q) for p, q in zip(PROMPTS, params)])
     stop = max(range(50), key=lambda t: sum(c.token_ids[1:].count(t) for c in first))

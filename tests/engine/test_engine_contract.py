@@ -20,6 +20,16 @@ def builtin(model, **kw):
     return BuiltinEngine(model, **({"max_batch": 3, "segment": SEGMENT} | kw))
 
 
+def graph_eager(model, **kw):
+    """The decode graph without torch.compile: its arithmetic and window state."""
+    return builtin(model, graph="eager", **kw)
+
+
+def graph_compiled(model, **kw):
+    """The decode graph as the engine runs it on a CPU: layers, head and sampler compiled."""
+    return builtin(model, graph="compile", **kw)
+
+
 def child_process(model, **kw):
     return EngineProcess(model, **({"max_batch": 3, "segment": SEGMENT} | kw))
 
@@ -28,7 +38,7 @@ def reference(model, **kw):
     return ReferenceEngine(model, segment=SEGMENT, **kw)
 
 
-ENGINES = [builtin, child_process, reference]
+ENGINES = [builtin, graph_eager, graph_compiled, child_process, reference]
 
 
 @pytest.fixture(scope="module")
