@@ -12,6 +12,10 @@ generated (max_new_tokens = its length, no stop ids). Same prompts, same lengths
 compute: what remains is the loop's own cost around its engine. Reported per step and as
 medians: the loop's generation tokens/s over the engine alone's, and scoring's share of the
 step (scoring runs after generation unless the config overlaps it).
+
+The same requests also go through the built-in engine's eager path (engine.graph=off, the
+runner), so each step's time is set beside what it would have been with that engine at the
+same samples: the step's other phases as measured, generation as the runner's replay took.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def engine_alone(cfg, model, tok, run_dir: Path, requests: list[tuple[list[int],
     from rollwise.engine import Request, SamplingParams
     from rollwise.engine.backends import build_engine
     engine = build_engine(cfg, model, tok, run_dir / "engine-alone")
+    engine.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=2))])  # compiles, if
+    # the engine does, before the clock (the loop's engine compiled before its first step)
     g = cfg.generate
     reqs = [Request(p, SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                       max_new_tokens=n, seed=i), i)
@@ -97,9 +103,14 @@ def main(argv: list[str]) -> int:
             continue
         tokens = sum(n for _, n in requests[step])
         alone = engine_alone(cfg, model, tok, run_dir, requests[step])
+        runner = engine_alone(cfg.model_copy(update={"engine": cfg.engine.model_copy(
+            update={"graph": "off"})}), model, tok, run_dir, requests[step])
         loop_gen = m["perf/phase/generate_seconds"]
+        step_s = m["perf/step_seconds"]
         rows.append({"step": step, "tokens": tokens, "loop_generate_s": loop_gen,
                      "engine_alone_s": alone, "loop_over_engine": alone / loop_gen,
+                     "runner_alone_s": runner,
+                     "step_over_runner_step": step_s / (step_s - loop_gen + runner),
                      "score_s": m.get("perf/phase/score_seconds", 0.0),
                      "train_s": m.get("perf/phase/train_seconds", 0.0),
                      "sync_s": m.get("perf/phase/sync_seconds", 0.0),
@@ -112,22 +123,27 @@ def main(argv: list[str]) -> int:
     result = {"benchmark": "loop", "config": args.config, "overrides": args.overrides,
               "steps": args.steps, "rows": rows,
               "median_loop_over_engine": statistics.median(r["loop_over_engine"] for r in later),
+              "median_step_over_runner_step": statistics.median(
+                  r["step_over_runner_step"] for r in later),
               "median_score_share": statistics.median(r["score_share"] for r in later)}
     print(json.dumps(result) if args.json else table(result))
     return 0
 
 
 def table(result: dict) -> str:
-    lines = ["| step | tokens | loop generate s | engine alone s | loop / engine | score s | "
-             "train s | sync s | step s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| step | tokens | loop generate s | engine alone s | loop / engine | runner "
+             "alone s | score s | train s | sync s | step s | step / runner's step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['step']} | {r['tokens']} | {r['loop_generate_s']:.1f} | "
                      f"{r['engine_alone_s']:.1f} | {r['loop_over_engine']:.2f} | "
-                     f"{r['score_s']:.2f} | {r['train_s']:.1f} | {r['sync_s']:.2f} | "
-                     f"{r['step_s']:.1f} |")
+                     f"{r['runner_alone_s']:.1f} | {r['score_s']:.2f} | {r['train_s']:.1f} | "
+                     f"{r['sync_s']:.2f} | {r['step_s']:.1f} | "
+                     f"{r['step_over_runner_step']:.2f} |")
     lines.append(f"\nmedian (steps after the first): loop generation at "
                  f"{result['median_loop_over_engine']:.2f}x the engine alone's speed; scoring "
-                 f"{result['median_score_share']:.1%} of the step")
+                 f"{result['median_score_share']:.1%} of the step; a step takes "
+                 f"{result['median_step_over_runner_step']:.2f}x its time with the runner")
     return "\n".join(lines)
 
 

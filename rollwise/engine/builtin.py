@@ -17,6 +17,13 @@ weights that produced it. `load_weights` writes new weights (full tensors or spa
 Sequences already running keep the K/V computed under older weights, as in vLLM; pause and resume
 a sequence to recompute them.
 
+`graph` picks how the passes run: "off", the Hugging Face model's own forward (runner.py, any
+causal LM); "eager" or "compile", the decode graph (decode_graph.py: the Llama family's
+forward over the same slot cache, decode windows sampled on the device; compiled on a CPU,
+captured as CUDA graphs on a GPU); "auto", the graph where it reproduces the model (compiled
+from AUTO_COMPILE_PARAMS up), else the runner. Every path samples from the same per-request
+streams and gives the same tokens up to float rounding.
+
 With `prefix_cache_tokens` > 0 the engine keeps the K/V of finished sequences (up to that many
 positions, least recently used dropped first) and a new request whose ids start with one's
 prefills only the rest: an agent's next turn (the episode so far + the environment's tokens)
@@ -65,7 +72,7 @@ class BuiltinEngine(Engine):
     def __init__(self, model, *, max_batch: int = 1024, seed: int = 0,
                  version: int = 0, copy_model: bool = True, segment: int = 16,
                  kv_budget_tokens: int | None = None, max_prefill_tokens: int = 8192,
-                 prefix_cache_tokens: int = 0, graph: str = "off"):
+                 prefix_cache_tokens: int = 0, graph: str = "auto"):
         if copy_model:
             model = copy.deepcopy(model)
             model.eval().requires_grad_(False)
@@ -88,6 +95,7 @@ class BuiltinEngine(Engine):
         self._ready: list[Event] = []  # events of forks that ended at birth
         self.adapters: MergedAdapters | None = None  # LoRA: what weight sync writes
         self.graph_note: str | None = None  # why graph="auto" kept the runner's path
+        self.graph_compile_seconds = 0.0  # the decode graph's compile (or cache load) time
 
     @property
     def prefix_tokens_saved(self) -> int:
@@ -190,7 +198,8 @@ class BuiltinEngine(Engine):
         if reason is None:
             compile = mode == "compile" or (mode == "auto" and sum(
                 p.numel() for p in model.parameters()) >= AUTO_COMPILE_PARAMS)
-            graph = DecodeGraph(self.runner, compile=compile, segment=self.scheduler.segment)
+            graph = DecodeGraph(self.runner, compile=compile, segment=self.scheduler.segment,
+                                batch=self.scheduler.max_slots)
             err = graph.model.check()
             tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
             if err > tolerance:
@@ -205,6 +214,9 @@ class BuiltinEngine(Engine):
             log.warning("engine.graph=auto: %s runs on the runner's path, not the decode graph "
                         "(%s)", type(model).__name__, reason)
             return None
+        if graph.compiled:
+            log.info("engine: compiling the decode graph (cached on disk for later runs)")
+            self.graph_compile_seconds = graph.warm_up()
         self.graph = graph
         return graph
 
@@ -277,10 +289,13 @@ class BuiltinEngine(Engine):
         params = [s.params for s in seqs]
         # one draw per sampled token and sequence (greedy ones too): a stream's position is
         # its token count, on every path
-        tokens, tok_logp, ent, logp = sample(logits, params, [s.rng.next() for s in seqs])
+        k = max(p.top_logprobs for p in params)
+        if self.graph is not None and not k:
+            tokens, tok_logp, ent, logp = self.graph.sample(seqs, logits)
+        else:
+            tokens, tok_logp, ent, logp = sample(logits, params, [s.rng.next() for s in seqs])
         self._last_logp, self._last_seqs = logp, seqs
         top = None
-        k = max(p.top_logprobs for p in params)
         if k:
             vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
             vals, idx = vals.tolist(), idx.tolist()

@@ -24,6 +24,7 @@ captured again). See graph_model.py for the CPU's packed weights.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from rollwise.engine.graph_model import (GraphModel, build_prefill, compile_settings,
                                          unsupported, varying)
 from rollwise.engine.sampling import logprobs_in_graph, sample_in_graph, stream_uniforms
+from rollwise.engine.runner import SPARE_POSITIONS
 from rollwise.engine.scheduler import StepPlan
 
 KEY_ALIGN = 16  # a window attends over keys rounded up to this (CPU) ...
@@ -141,15 +143,16 @@ def variant_of(plan: StepPlan) -> Variant:
 class DecodeGraph:
     """The runner's cache and model through the graph forward; see the module docstring."""
 
-    def __init__(self, runner, compile: bool, segment: int = 16):
+    def __init__(self, runner, compile: bool, segment: int = 16, batch: int = 64):
         reason = unsupported(runner.model)
         if reason is not None:
             raise ValueError(f"the decode graph cannot run {type(runner.model).__name__}: "
                              f"{reason}")
         self.runner = runner
-        self.model = GraphModel(runner.model, compile=compile)
+        self.model = GraphModel(runner.model, compile=compile, batch=batch)
         self.device = runner.device
         self.cuda = self.device.type == "cuda"
+        self.compiled = compile
         self._sample, self._logprobs = sample_in_graph, logprobs_in_graph
         if compile:
             self._sample, self._logprobs = (torch.compile(f, fullgraph=True)
@@ -161,7 +164,33 @@ class DecodeGraph:
         self.captures = 0  # CUDA graphs captured so far (each bucket once per cache)
         self.segment = segment  # most passes in a window (the window buffers' length)
         self.pad_rows = CUDA_ROW_ALIGN if self.cuda else 0  # window rows padded to a multiple
-        self._ptrs = self._weight_pointers()
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile, on a scratch cache, every structure a run meets: decode batches of one row
+        and of several, one prefill and several (and a one-token extension), greedy and
+        sampled windows; so no pass of the run stops to compile. Returns its seconds."""
+        t = time.perf_counter()
+        s, p = self.model.shape, next(self.runner.model.parameters())
+        shape = (3, s.kv_heads, 32 + SPARE_POSITIONS, s.head_dim)
+        k, v = ({i: torch.zeros(shape, dtype=p.dtype, device=p.device)
+                 for i in range(len(self.model.weights.layers))} for _ in range(2))
+        dev = self.device
+        with compile_settings():
+            for parts in ([(0, 0, 4), (1, 0, 3)], [(2, 0, 5)], [(2, 5, 1)]):
+                ids = torch.zeros(sum(n for _, _, n in parts), dtype=torch.long, device=dev)
+                self.model.prefill(ids, build_prefill(parts, dev),
+                                   torch.arange(len(parts), device=dev), k, v)
+            for b in (2, 1):
+                rows = torch.arange(b, device=dev)
+                logits, _ = self.model.decode(rows, rows + 4, torch.arange(8, device=dev), k, v)
+                for greedy in (False, True):
+                    self._sample(varying(logits), varying(torch.full((b,), float(not greedy),
+                                                                     device=dev)),
+                                 varying(torch.zeros(b, dtype=torch.long, device=dev)),
+                                 varying(torch.ones(b, device=dev)),
+                                 varying(torch.zeros(b, device=dev)), False, greedy)
+        return time.perf_counter() - t
 
     # ---- any step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -188,6 +217,30 @@ class DecodeGraph:
         cache.copy_many(plan.after_copies)
         return torch.cat(logits), torch.cat(hidden) if want_hidden else None
 
+    @torch.inference_mode()
+    def sample(self, seqs: list, logits: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LastDistributions]:
+        """One token per row of a step's logits (a step with prefills), by the compiled
+        sampler, each row drawing the next uniform of its stream: (tokens, their
+        log-probabilities, entropies, the distributions)."""
+        params = [s.params for s in seqs]
+        dev = logits.device
+        seeds = _longs([s.rng.seed for s in seqs], dev)
+        counts = _longs([s.rng.count for s in seqs], dev)
+        for s in seqs:
+            s.rng.advance(1)
+        temperature = torch.tensor([float(p.temperature) for p in params], device=dev)
+        top_k = _longs([p.top_k for p in params], dev)
+        top_p = torch.tensor([float(p.top_p) for p in params], device=dev)
+        filtered = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        with compile_settings():
+            tokens, token_logp, ent = self._sample(
+                varying(logits), varying(temperature), varying(top_k), varying(top_p),
+                varying(stream_uniforms(seeds, counts)), filtered,
+                any(p.temperature == 0 for p in params))
+        return tokens, token_logp, ent, LastDistributions(logits, temperature, top_k, top_p,
+                                                          filtered)
+
     def _prefill(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefills' pass: logits of each one's last row, then of each follower's leader."""
         cache, ids, last, row = self.runner.cache, [], {}, 0
@@ -212,17 +265,11 @@ class DecodeGraph:
         self.runner.cache.allocate(len(self.model.weights.layers), s.kv_heads, s.head_dim,
                                    p.dtype, p.device)
 
-    def _weight_pointers(self) -> list[int]:
-        return [p.data_ptr() for p in self.runner.model.parameters()]
-
     def refresh(self, force: bool = False) -> None:
-        """Bring packed weights up to date (any weight written since, or all with `force`);
-        drop captured graphs if a weight moved to new memory (model.to, a replaced tensor)."""
-        self.model.weights.refresh(force)
-        ptrs = self._weight_pointers()
-        if ptrs != self._ptrs:
-            self._graphs.clear()
-            self._ptrs = ptrs
+        """Bring the weights up to date (packed copies of any weight written since, or all
+        with `force`); drop captured graphs if a weight moved to new memory (model.to)."""
+        if self.model.weights.refresh(force):
+            self._graphs.clear()  # recaptured on first use: a few passes' time
 
     # ---- decode windows ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -311,14 +358,16 @@ class DecodeGraph:
             with torch.cuda.stream(stream):
                 self._pass(st, variant)
             torch.cuda.current_stream().wait_stream(stream)
-            done = 1
+            done, ran = 1, st.last_logits
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool):  # records, runs nothing
                 self._pass(st, variant)
             self._graphs[key] = graph
             self.captures += 1
+            if steps == done:
+                st.last_logits = ran  # the captured pass has not run: the eager one's
         for _ in range(done, steps):
             graph.replay()
         return steps

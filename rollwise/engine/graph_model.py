@@ -224,38 +224,36 @@ def unsupported(model) -> str | None:
     return None
 
 
-def _norm_weight(module) -> torch.Tensor:
-    return module.weight
-
-
 class GraphWeights:
-    """Each layer's weights for decoder_layer: the live tensors, or packed copies kept in step
-    with them (see the module docstring)."""
+    """Each layer's weights for the layer functions: the live tensors, or packed copies kept
+    in step with them (see the module docstring)."""
 
-    def __init__(self, model, pack: bool):
+    def __init__(self, model, pack: bool, batch: int = 64):
         self.model = model
         self.pack = pack
+        # the rows oneDNN lays the packed weights out for. Measured on AMX (SmolLM2's 121
+        # products per pass): packed for 64 rows, 38 ms at 64 rows but 272 ms at 512 (plain
+        # products 65 and 225); packed for 512 rows, 38 and 203 ms.
+        self.batch_hint = 64 if batch <= 256 else 512
+        self._params = list(model.parameters())
         self.decoder = model.get_decoder()
         self.layers: list[LayerWeights] = []
         self.head: tuple[Linear, ...] = ()
-        self._versions: list[int] = []
+        self._versions: list[tuple[int, int]] = []
         self.refresh(force=True)
 
-    def _sources(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters()]
-
     def refresh(self, force: bool = False) -> bool:
-        """Rebuild the packed copies if any weight was written since; True if rebuilt."""
-        sources = self._sources()
-        versions = [p._version for p in sources] + [p.data_ptr() for p in sources]
-        if not force and versions == self._versions:
-            return False
+        """Rebuild the packed copies if any weight was written since (the live tensors need
+        nothing); True if a weight moved to new memory (model.to), which a captured graph
+        must follow."""
+        versions = [(p._version, p.data_ptr()) for p in self._params]
+        moved = [v[1] for v in versions] != [v[1] for v in self._versions]
+        if force or moved or (self.pack and versions != self._versions):
+            with torch.inference_mode():  # as every pass runs: compiled code sees one kind
+                self.layers = [self._layer(layer) for layer in self.decoder.layers]
+                self.head = self._group([self.model.get_output_embeddings()])
         self._versions = versions
-        with torch.inference_mode():  # as every pass runs: the compiled code sees one kind
-            self.layers = [self._layer(layer) for layer in self.decoder.layers]
-            head = self.model.get_output_embeddings()
-            self.head = self._group([head])
-        return True
+        return moved
 
     def _group(self, modules: list) -> tuple[Linear, ...]:
         """Linears fed the same input: one packed product of their concatenated weights, or
@@ -268,22 +266,22 @@ class GraphWeights:
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0])
                               for b, m in zip(biases, modules)])
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
         return (Linear(packed, bias, tuple(m.weight.shape[0] for m in modules), True),)
 
     def _layer(self, layer) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return LayerWeights(
-            _norm_weight(layer.input_layernorm), self._group([a.q_proj, a.k_proj, a.v_proj]),
+            layer.input_layernorm.weight, self._group([a.q_proj, a.k_proj, a.v_proj]),
             None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-            self._group([a.o_proj]), _norm_weight(layer.post_attention_layernorm),
+            self._group([a.o_proj]), layer.post_attention_layernorm.weight,
             self._group([m.gate_proj, m.up_proj]), self._group([m.down_proj]))
 
 
 def can_pack(model) -> bool:
-    """oneDNN-packed products pay on a CPU in bfloat16 (measured: float32 goes to MKL, whose
-    unpacked products are as fast)."""
+    """oneDNN-packed products pay on a CPU in bfloat16 (measured on AMX: SmolLM2's 64-row
+    decode products 1.5-2x faster); in float32 they gain nothing measurable."""
     p = next(model.parameters())
     return p.device.type == "cpu" and p.dtype == torch.bfloat16 and \
         torch.backends.mkldnn.is_available()
@@ -334,7 +332,7 @@ def compile_settings():
 class GraphModel:
     """The graph forward of one model over a slot cache's K/V tensors."""
 
-    def __init__(self, model, compile: bool):
+    def __init__(self, model, compile: bool, batch: int = 64):
         self.model = model
         cfg = model.config
         heads = cfg.num_attention_heads
@@ -343,7 +341,7 @@ class GraphModel:
         self.shape = Shape(heads, cfg.num_key_value_heads, head_dim,
                            float(getattr(cfg, "rms_norm_eps", 1e-6)),
                            float(getattr(attn, "scaling", head_dim ** -0.5)))
-        self.weights = GraphWeights(model, pack=can_pack(model))
+        self.weights = GraphWeights(model, pack=can_pack(model), batch=batch)
         decoder = self.weights.decoder
         self.act = decoder.layers[0].mlp.act_fn
         decode, prefill = make_layers(self.shape, self.act)
@@ -366,7 +364,7 @@ class GraphModel:
         for i, w in enumerate(self.weights.layers):
             h = decode_layer(varying(h), w, varying(k[i], 0, 2), varying(v[i], 0, 2),
                              varying(cos), varying(sin), positions, varying(keys))
-        return head(varying(h), _norm_weight(decoder.norm), self.weights.head, self.shape.eps)
+        return head(varying(h), decoder.norm.weight, self.weights.head, self.shape.eps)
 
     def prefill(self, ids: torch.Tensor, pre: Prefill, out_rows: torch.Tensor,
                 k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], eager: bool = False
@@ -380,7 +378,7 @@ class GraphModel:
         for i, w in enumerate(self.weights.layers):
             h = prefill_layer(varying(h), w, varying(k[i], 0, 2), varying(v[i], 0, 2),
                               varying(cos), varying(sin), pre)
-        return head(varying(h.index_select(0, out_rows)), _norm_weight(decoder.norm),
+        return head(varying(h.index_select(0, out_rows)), decoder.norm.weight,
                     self.weights.head, self.shape.eps)
 
     @torch.inference_mode()

@@ -81,9 +81,13 @@ _ACTIVE = threading.local()  # the StepLayout of the pass running on this thread
 _PLACEHOLDER_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
+SPARE_POSITIONS = 1  # allocated past `length` and never used: a decode graph's key slice is
+# then never a whole row, so its compiled code has no special case for it (one compilation)
+
+
 class SlotCache:
-    """Per-layer K and V of shape (rows, kv_heads, length, head_dim), one row per slot; allocated
-    on a layer's first write, resized to the scheduler's shape each step."""
+    """Per-layer K and V of shape (rows, kv_heads, length + SPARE_POSITIONS, head_dim), one row
+    per slot; allocated on a layer's first write, resized to the scheduler's shape each step."""
 
     is_compileable = False
 
@@ -105,7 +109,7 @@ class SlotCache:
             self.k.clear(), self.v.clear()
         for store in (self.k, self.v):
             for i, old in store.items():
-                new = old.new_zeros(rows, old.shape[1], length, old.shape[3])
+                new = old.new_zeros(rows, old.shape[1], length + SPARE_POSITIONS, old.shape[3])
                 r, n = min(rows, self.rows), min(length, self.length)
                 new[:r, :, :n] = old[:r, :, :n]
                 store[i] = new
@@ -118,8 +122,8 @@ class SlotCache:
         for store in (self.k, self.v):
             for i in range(layers):
                 if i not in store:
-                    store[i] = torch.zeros(self.rows, kv_heads, self.length, head_dim,
-                                           dtype=dtype, device=device)
+                    store[i] = torch.zeros(self.rows, kv_heads, self.length + SPARE_POSITIONS,
+                                           head_dim, dtype=dtype, device=device)
 
     def copy(self, src: int, dst: int, n: int) -> None:
         self.copy_many([(src, dst, n)])
@@ -170,13 +174,14 @@ class SlotCache:
         for store, saved in zip((self.k, self.v), kv):
             for i, x in saved.items():
                 if i not in store:
-                    store[i] = x.new_zeros(self.rows, x.shape[0], self.length, x.shape[2])
+                    store[i] = x.new_zeros(self.rows, x.shape[0], self.length + SPARE_POSITIONS,
+                                           x.shape[2])
                 store[i][slot, :, :n] = x[:, :n]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value (1, kv_heads, N, head_dim): row i goes to (slots[i], positions[i])."""
         if layer_idx not in self.k:
-            shape = (self.rows, key.shape[1], self.length, key.shape[3])
+            shape = (self.rows, key.shape[1], self.length + SPARE_POSITIONS, key.shape[3])
             self.k[layer_idx] = key.new_zeros(shape)
             self.v[layer_idx] = value.new_zeros(shape)
         k, v, lay = self.k[layer_idx], self.v[layer_idx], _ACTIVE.layout

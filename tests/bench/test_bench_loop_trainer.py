@@ -36,6 +36,9 @@ def test_bench_loop_replays_each_step_at_its_own_shape(tiny_config, tmp_path, ca
     for r in out["rows"]:
         assert r["tokens"] == metrics[r["step"]]["tokens/generated"]
         assert r["engine_alone_s"] > 0 and r["loop_over_engine"] > 0
+        assert r["runner_alone_s"] > 0  # the same requests through engine.graph=off
+        step_with_runner = r["step_s"] - r["loop_generate_s"] + r["runner_alone_s"]
+        assert r["step_over_runner_step"] == pytest.approx(r["step_s"] / step_with_runner)
     # the first step's phase times also hold what ran before it (the held-out evaluation)
     assert 0 <= out["rows"][1]["score_share"] < 1
     assert out["median_loop_over_engine"] == out["rows"][1]["loop_over_engine"]

@@ -17,17 +17,18 @@ SEGMENT = 4
 
 
 def builtin(model, **kw):
-    return BuiltinEngine(model, **({"max_batch": 3, "segment": SEGMENT} | kw))
+    """The runner's path: the Hugging Face model's own forward."""
+    return BuiltinEngine(model, **({"max_batch": 3, "segment": SEGMENT, "graph": "off"} | kw))
 
 
 def graph_eager(model, **kw):
     """The decode graph without torch.compile: its arithmetic and window state."""
-    return builtin(model, graph="eager", **kw)
+    return builtin(model, **({"graph": "eager"} | kw))
 
 
 def graph_compiled(model, **kw):
     """The decode graph as the engine runs it on a CPU: layers, head and sampler compiled."""
-    return builtin(model, graph="compile", **kw)
+    return builtin(model, **({"graph": "compile"} | kw))
 
 
 def child_process(model, **kw):
@@ -38,7 +39,8 @@ def reference(model, **kw):
     return ReferenceEngine(model, segment=SEGMENT, **kw)
 
 
-ENGINES = [builtin, graph_eager, graph_compiled, child_process, reference]
+ENGINES = [builtin, graph_eager, pytest.param(graph_compiled, marks=pytest.mark.integration),
+           child_process, reference]  # compiling takes a minute: with the integration tests
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def wild():
     return contract.wild_model()
 
 
-@pytest.fixture(params=ENGINES, ids=lambda f: f.__name__)
+@pytest.fixture(params=ENGINES, ids=["builtin", "graph_eager", "graph_compiled", "child_process",
+                                      "reference"])
 def make(request):
     made = []
 

@@ -86,7 +86,10 @@ def test_mc_grpo_binary_rewards_zero_mad_trains_finite_and_drops_pivots(tiny, gr
     assert metrics["train/adv/mad_zero_groups"] == 2
     assert metrics["train/adv/abs_max"] == pytest.approx(1000.0)
     assert metrics["train/adv/dropped_samples"] == 2
-    pivots = [g.samples[1] for g in gs]  # lower-middle rank: the first of the zeros
+    # the pivot: the lower middle of the group's rewards in stable order ([1, 0, 0, 0] sorts
+    # as samples 1, 2, 3, 0: the second of the zeros)
+    pivots = [sorted(g.samples, key=lambda s: s.reward)[(len(g.samples) - 1) // 2] for g in gs]
+    assert all(p is g.samples[2] for p, g in zip(pivots, gs))
     assert metrics["train/dropped_tokens/pivot"] == sum(s.num_tokens for s in pivots)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert metrics["train/grad_norm"] == metrics["train/grad_norm"]
