@@ -6,8 +6,9 @@ start-up  two fresh processes in turn, sharing a new, empty compile cache
           (TORCHINDUCTOR_CACHE_DIR): each loads the model and runs the built-in engine with
           engine.graph=compile on one short request. The first compiles the decode graph
           (every structure a run meets: DecodeGraph.warm_up); the second finds it on disk.
-          Reported: the graph's compile (or load) seconds and the engine's start, from
-          construction to its first tokens.
+          Reported: the graph's compile (or load) seconds, the engine's start from
+          construction to its first tokens, and how many compiled graphs each process built
+          and loaded from the cache.
 numerics  the task's prompts sampled at temperature 1 by the decode graph and by the runner
           (engine.graph=off), each token's behaviour log-probability set against a full
           forward pass of the same model over the finished sequence (Hugging Face's modules,
@@ -25,6 +26,7 @@ import tempfile
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 from rollwise import models
 from rollwise.bench.engine import model_dir_of, task_prompts
@@ -40,8 +42,11 @@ def start_once(model_dir: str, dtype: str) -> dict:
     t = time.perf_counter()
     engine = BuiltinEngine(model, copy_model=False, graph="compile")
     engine.generate([Request([1, 2, 3, 4], SamplingParams(max_new_tokens=4))])
+    inductor = counters["inductor"]  # compiled graphs built, and those loaded from the cache
     return {"model_load_s": round(loaded, 2), "engine_start_s": round(time.perf_counter() - t, 2),
-            "graph_compile_s": round(engine.graph_compile_seconds, 2)}
+            "graph_compile_s": round(engine.graph_compile_seconds, 2),
+            "graphs_compiled": inductor["fxgraph_cache_miss"],
+            "graphs_from_cache": inductor["fxgraph_cache_hit"]}
 
 
 def startup(args) -> list[dict]:

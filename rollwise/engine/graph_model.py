@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import contextlib
+import warnings
 
 import torch
 import torch._dynamo.config as dynamo_config
@@ -329,6 +330,16 @@ def compile_settings():
         yield
 
 
+def _import_inductor_helpers() -> None:
+    """Import what inductor's CPU passes import at their first compile, with torch's own
+    deprecation notice about its mkldnn helpers silenced: the notice concerns torch's code,
+    not the user's, and would otherwise land in the user's run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script_method.*deprecated",
+                                category=DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
+
+
 class GraphModel:
     """The graph forward of one model over a slot cache's K/V tensors."""
 
@@ -348,6 +359,7 @@ class GraphModel:
         fns = (decode, prefill, embed_rows, head_rows)
         self._eager = fns  # what check() runs: the same arithmetic
         if compile:
+            _import_inductor_helpers()
             fns = tuple(torch.compile(f, fullgraph=True) for f in fns)
         self._compiled = fns
 
