@@ -49,7 +49,6 @@ from rollwise.engine.runner import Runner
 from rollwise.engine.sampling import SamplingParams, SeedStream, sample
 from rollwise.engine.scheduler import Event, Scheduler, SeqStatus, Sequence, StepOutput, StepPlan
 
-
 log = logging.getLogger(__name__)
 
 # graph="auto" compiles models from this size up. Measured on a 2-core CPU: the default run's

@@ -29,10 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.graph_model import (GraphModel, build_prefill, compile_settings,
-                                         unsupported, varying)
-from rollwise.engine.sampling import logprobs_in_graph, sample_in_graph, stream_uniforms
+from rollwise.engine.graph_model import (
+    GraphModel,
+    build_prefill,
+    compile_settings,
+    unsupported,
+    varying,
+)
 from rollwise.engine.runner import SPARE_POSITIONS
+from rollwise.engine.sampling import logprobs_in_graph, sample_in_graph, stream_uniforms
 from rollwise.engine.scheduler import StepPlan
 
 KEY_ALIGN = 16  # a window attends over keys rounded up to this (CPU) ...

@@ -23,11 +23,10 @@ step's matrix time on AMX; the copies are rebuilt when a source tensor's version
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import contextlib
 import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch._dynamo.config as dynamo_config

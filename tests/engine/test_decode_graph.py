@@ -13,8 +13,15 @@ from engine_contract import PROMPTS, forward_logprobs
 
 from rollwise.engine import BuiltinEngine, Request, SamplingParams
 from rollwise.engine.graph_model import GraphModel, build_prefill, unsupported
-from rollwise.engine.sampling import (CDF_BLOCK, draw, entropy, sample_in_graph,
-                                      sampling_logprobs, stream_uniform, stream_uniforms)
+from rollwise.engine.sampling import (
+    CDF_BLOCK,
+    draw,
+    entropy,
+    sample_in_graph,
+    sampling_logprobs,
+    stream_uniform,
+    stream_uniforms,
+)
 
 SAMPLED = SamplingParams(temperature=0.9, max_new_tokens=14)
 SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0), (0.9, 7, 0.6)]
