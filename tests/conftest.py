@@ -5,7 +5,7 @@ rollwise/stages/filter/, ...); tests/ itself the tests of top-level modules, and
 test modules share (*_helpers.py, engine_contract.py, extension_plugin.py, ...), which no test
 module imports from another. Tests that run whole training loops are marked `integration`:
 `python3 -m pytest -q --unit` leaves them out (the unit suite, a few minutes on 2 cores);
-`python3 -m pytest -q` runs both, as CI does.
+`python3 -m pytest -q` runs both, as CI does (in two processes: `-n 2 --dist loadfile`).
 """
 
 import pytest
