@@ -149,8 +149,13 @@ class EngineProcess(Engine):
         if self.wire == "socket":
             return self._local.take(nbytes)
         if self._arena is None or self._arena.nbytes < nbytes:
+            self._check_alive()  # before making a segment only a live child would map
             grown = SharedArena(max(nbytes, int(1.25 * self._arena.nbytes) if self._arena else 0))
-            self._call("attach", grown.name, grown.nbytes)
+            try:
+                self._call("attach", grown.name, grown.nbytes)
+            except BaseException:  # the child never mapped it: unlink it, or /dev/shm keeps it
+                grown.close()
+                raise
             old, self._arena = self._arena, grown
             if old is not None:
                 old.close()
@@ -193,9 +198,12 @@ class EngineProcess(Engine):
     def _send_bytes(self, data: torch.Tensor) -> None:
         self._deliver(data.numpy(), "take a weight payload", raw=True)
 
-    def _deliver(self, message, what: str, raw: bool = False) -> None:
+    def _check_alive(self) -> None:
         if self._proc is None:
             raise EngineProcessError(self._gone or "the engine process is closed")
+
+    def _deliver(self, message, what: str, raw: bool = False) -> None:
+        self._check_alive()
         try:
             deliver([self._peer()], [message], what, self.timeout_s, raw=raw)
         except (NoAnswer, PeerDied) as e:

@@ -180,3 +180,35 @@ def test_a_failed_spawn_does_not_hang_on_cleanup(tiny, monkeypatch):
     t.start()
     t.join(30)
     assert outcome == ["no processes left", "cleaned up"]
+
+
+def test_a_grown_arena_the_child_never_attached_is_unlinked(tiny, monkeypatch):
+    """The child stops answering while the arena grows: the call fails within its bound and the
+    new shared-memory segment is unlinked with the old, not left in /dev/shm; a later sync to
+    the killed child repeats why it is gone and makes no segment."""
+    import os
+    import signal
+
+    from rollwise.engine import process as engine_proc
+    made = []  # (name, size) of each segment this process creates
+
+    def recorded(*args, **kwargs):
+        arena = real_arena(*args, **kwargs)
+        made.append((arena.name, arena.nbytes))
+        return arena
+    real_arena = engine_proc.SharedArena
+    monkeypatch.setattr(engine_proc, "SharedArena", recorded)
+    p = EngineProcess(tiny[0], timeout_s=2.0)
+    try:
+        p.arena(1024)  # fits in the arena the start's full payload made
+        (_, first), = made
+        os.kill(p._proc.pid, signal.SIGSTOP)
+        with pytest.raises(EngineProcessError, match="did not .* within 2s"):
+            p.arena(1 << 20)
+        assert [size for _, size in made] == [first, 1 << 20]
+        assert not [name for name, _ in made if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
+        with pytest.raises(EngineProcessError, match="it was killed"):
+            p.arena(1 << 21)  # the child is gone: no new segment, the first error again
+        assert len(made) == 2
+    finally:
+        p.close()
