@@ -674,10 +674,13 @@ class TrainConfig(Section):
     uses the longest response of each update."""
     micro_batch_size: int = Field(0, ge=0)
     """Samples per forward/backward; gradients accumulate over each minibatch. 0: whole."""
-    max_tokens_per_microbatch: int | None = Field(None, gt=0)
+    max_tokens_per_microbatch: Annotated[int, Field(gt=0)] | Literal["auto"] | None = "auto"
     """Token budget of one forward pass (rows x their longest sequence, padded): micro-batches
     and the log-probability passes are cut to fit it, so a batch of long responses fits in
-    memory; the gradient is the same. None: no bound (micro_batch_size alone)."""
+    memory; the gradient is the same. 'auto': what fits in half the device's total memory
+    after the weights, gradients and optimizer state, by the model's shape (the same on
+    every run on one machine, whatever else it runs). None: no bound (micro_batch_size
+    alone)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (less memory, ~30%
     more compute); Hugging Face models' gradient_checkpointing_enable."""
@@ -728,6 +731,16 @@ class TrainConfig(Section):
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps
     them apart): the same log-probabilities up to float rounding, for fewer tokens. Checked
     against the padded pass on the first update; a model that disagrees is not packed."""
+    chunked_logits: bool = True
+    """Log-probabilities and entropies from the last hidden state, a chunk of tokens at a time
+    with the LM head inside the chunk, at the response tokens only: the (tokens x vocabulary)
+    logits never exist whole, in the forward or the backward pass (they set the update's peak
+    memory otherwise). The same values up to float rounding; checked against the full logits
+    on the first update. Off by itself for a model whose head is not a plain Linear or whose
+    config transforms the logits after it (soft-capping, scaling)."""
+    logit_chunk_tokens: int | None = Field(None, gt=0)
+    """Tokens per chunk of train.chunked_logits; None: 24 MiB of fp32 logits per chunk on a
+    CPU (128 tokens of SmolLM2's 49k vocabulary, 41 of Qwen2.5's 152k), 256 MiB on a GPU."""
     loss_denominator: Literal["kept", "generated"] = "kept"
     """What the loss is divided by. 'kept': the sequences (or tokens, per loss_agg) trained on,
     so each weighs more as fewer groups carry a signal. 'generated': every sequence the step

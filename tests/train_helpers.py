@@ -8,6 +8,7 @@ import random
 import torch
 
 from rollwise.engine import BuiltinEngine, Request, SamplingParams
+from rollwise.training.head import chunk_tokens
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Group, Sample, Status
@@ -42,10 +43,11 @@ def set_on_policy(groups: list[Group], model, pad_id: int, version: int) -> None
     """Make behaviour = the trainer's own log-probabilities, exactly, at `version`."""
     samples = [s for g in groups for s in g.samples]
     batch = Batch.from_samples(samples, [0.0] * len(samples), pad_id)
+    chunk = chunk_tokens(model.config.vocab_size)  # train.chunked_logits, default
     with torch.no_grad():  # the way the trainer computes them (train.pack_prompts, default)
         packed = pack(batch)
-        logp = (packed_token_logprobs(model, batch, packed)[0] if worth_packing(batch, packed)
-                else token_logprobs(model, batch)[0])
+        logp = (packed_token_logprobs(model, batch, packed, chunk=chunk)[0]
+                if worth_packing(batch, packed) else token_logprobs(model, batch, chunk=chunk)[0])
     for i, s in enumerate(samples):
         p, n = len(s.prompt_ids), s.num_tokens
         s.logprobs = logp[i, p - 1:p - 1 + n].tolist()

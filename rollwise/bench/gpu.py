@@ -18,6 +18,7 @@ here (a large bf16 matmul, a device-to-device copy); MFU is against the vendor p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import random
@@ -263,13 +264,25 @@ def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, response_l
     return out
 
 
+# The update's levers, each row adding one to the one before: the full logits and AdamW's
+# per-tensor loop (as before either existed), the chunked head, the fused optimizer and foreach
+# master copies (the defaults), then gradient checkpointing on top.
+TRAIN_ARMS = [("full logits, loop AdamW", {"chunked_logits": False}, True),
+              ("chunked logits, loop AdamW", {}, True),
+              ("chunked logits, fused AdamW", {}, False),
+              ("chunked, fused, checkpointing", {"gradient_checkpointing": True}, False)]
+
+
 def bench_training(args, peaks) -> list[dict]:
+    from rollwise.bench.trainer import loop_optimizer
     rows = []
-    for checkpointing in (False, True):
+    for name, settings, loop_adamw in TRAIN_ARMS:
         model = build(args.preset, args.device)
-        cfg = TrainConfig(minibatches=1, gradient_checkpointing=checkpointing,
-                          max_tokens_per_microbatch=args.microbatch_tokens, lr=1e-6)
-        trainer = Trainer(model, cfg, pad_id=0)
+        cfg = TrainConfig(**{"minibatches": 1, "gradient_checkpointing": False,
+                             "max_tokens_per_microbatch": args.microbatch_tokens, "lr": 1e-6,
+                             **settings})
+        with loop_optimizer() if loop_adamw else contextlib.nullcontext():
+            trainer = Trainer(model, cfg, pad_id=0)
         groups = synthetic_groups(args.train_groups, 8, args.prompt_len, args.response_len,
                                   model.config.vocab_size)
         trainer.update(groups)  # warm-up (allocator, kernels)
@@ -291,7 +304,9 @@ def bench_training(args, peaks) -> list[dict]:
         tokens = args.train_groups * (args.prompt_len + 8 * args.response_len)
         flops = 4 * per_token_fwd * tokens  # old-log-prob pass (1x) + trained pass (3x)
         peak_mem = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
-        rows.append({"part": "train", "gradient_checkpointing": checkpointing,
+        rows.append({"part": "train", "arm": name,
+                     "gradient_checkpointing": cfg.gradient_checkpointing,
+                     "chunked_logits": cfg.chunked_logits, "fused_adamw": not loop_adamw,
                      "tokens_per_s": tokens / sec, "seconds_per_update": sec,
                      "mfu": flops / sec / peaks["flops"], "peak_memory_gib":
                      None if peak_mem is None else peak_mem / 2 ** 30})
@@ -314,8 +329,7 @@ def table(result: dict) -> str:
                          f"{r['of_roofline']:.1%} of bandwidth roofline |")
         else:
             mem = "" if r["peak_memory_gib"] is None else f", peak {r['peak_memory_gib']:.1f} GiB"
-            lines.append(f"| train | bf16, checkpointing "
-                         f"{'on' if r['gradient_checkpointing'] else 'off'} | "
+            lines.append(f"| train | bf16, {r['arm']} | "
                          f"{r['tokens_per_s']:.0f} | | MFU {r['mfu']:.1%}{mem} |")
     return "\n".join(lines)
 

@@ -189,9 +189,11 @@ def profiled(fn, device: str) -> dict:
 
 def profile(device: str, tiny: bool) -> dict:
     """Is the device kept busy? Decode of 64 sequences × 32 tokens (built-in and HF) and one
-    update of 2 groups × 8 × 512 tokens, SmolLM2's shape in bf16 (the tiny model: a few).
+    update of 2 groups × 8 × 512 tokens, SmolLM2's shape in bf16 (the tiny model: a few), with
+    the update's levers (chunked logits, fused AdamW) and without.
     Last of the parts: about two minutes on an H100, most of it the profiler's own cost."""
     from rollwise.bench import gpu
+    from rollwise.bench.trainer import loop_optimizer
     from rollwise.config import TrainConfig
     from rollwise.training.trainer import Trainer
     preset, n, prompt_len, new, response_len = (("tiny", 4, 8, 4, 8) if tiny
@@ -200,11 +202,15 @@ def profile(device: str, tiny: bool) -> dict:
     prompts = gpu.gen_inputs(n, prompt_len, model.config.vocab_size)
     out = {"builtin_decode": profiled(lambda: gpu.run_builtin(model, prompts, new), device),
            "hf_decode": profiled(lambda: gpu.run_hf(model, prompts, new), device)}
-    trainer = Trainer(model, TrainConfig(minibatches=1, max_tokens_per_microbatch=16384,
-                                         lr=1e-6), pad_id=0)
     groups = gpu.synthetic_groups(1 if tiny else 2, 8, prompt_len, response_len,
                                   model.config.vocab_size)
+    cfg = TrainConfig(minibatches=1, max_tokens_per_microbatch=16384, lr=1e-6)
+    trainer = Trainer(model, cfg, pad_id=0)
     out["train_update"] = profiled(lambda: trainer.update(groups), device)
+    del trainer
+    with loop_optimizer():  # the update without its levers: full logits, AdamW's loop
+        trainer = Trainer(model, cfg.model_copy(update={"chunked_logits": False}), pad_id=0)
+    out["train_update_without_levers"] = profiled(lambda: trainer.update(groups), device)
     return {"shape": {"preset": preset, "sequences": n, "prompt_len": prompt_len,
                       "new_tokens": new, "update_tokens_per_sample": response_len}, **out}
 

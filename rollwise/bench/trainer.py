@@ -8,7 +8,10 @@ generate.group_size, the task's own prompts, responses of --response-len tokens 
 long-tailed), the same batch for every arm, through Trainer.update: the old-log-prob pass and
 the gradient steps. An arm is a dtype (fp32: float32 parameters; bf16: bfloat16 parameters with
 float32 master weights and optimizer) with options: +ckpt (gradient checkpointing), +mbN
-(train.max_tokens_per_microbatch = N), +nopack (train.pack_prompts off); checkpointing is off
+(train.max_tokens_per_microbatch = N; +unbounded: None; the default is 'auto'), +nopack
+(train.pack_prompts off), +full (the full logits: train.chunked_logits off), +loopopt (AdamW's
+per-tensor loop and per-tensor master copies instead of the fused and foreach kernels);
+checkpointing is off
 unless the arm names it, whatever the config sets. Each arm runs in its
 own process (peak memory is per process), warm-up update first, then the median of --repeats.
 
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -46,11 +50,33 @@ def arm_settings(arm: str) -> tuple[torch.dtype, dict]:
             extra["gradient_checkpointing"] = True
         elif opt == "nopack":
             extra["pack_prompts"] = False
+        elif opt == "full":
+            extra["chunked_logits"] = False
+        elif opt == "unbounded":
+            extra["max_tokens_per_microbatch"] = None
+        elif opt == "loopopt":
+            extra["loop_optimizer"] = True  # not a setting: run_arm swaps the kernels
         elif opt.startswith("mb") and opt[2:].isdigit():
             extra["max_tokens_per_microbatch"] = int(opt[2:])
         else:
-            raise ValueError(f"arm {arm!r}: unknown option {opt!r} (ckpt, nopack, mbN)")
+            raise ValueError(f"arm {arm!r}: unknown option {opt!r} "
+                             f"(ckpt, nopack, full, loopopt, unbounded, mbN)")
     return dtypes[name], extra
+
+
+@contextmanager
+def loop_optimizer():
+    """Within the block, new trainers step AdamW tensor by tensor and copy masters one at a
+    time (the kernels before the fused and foreach ones), to measure what those save."""
+    from rollwise.training import precision
+    from rollwise.training import trainer as trainer_module
+    saved = trainer_module.adamw_kernel, precision._foreach_copy
+    trainer_module.adamw_kernel = lambda params: {"foreach": False, "fused": False}
+    precision._foreach_copy = lambda dst, src: [d.copy_(s) for d, s in zip(dst, src)]
+    try:
+        yield
+    finally:
+        trainer_module.adamw_kernel, precision._foreach_copy = saved
 
 
 def batch(cfg, tokenizer, response_len: int, seed: int = 0) -> list:
@@ -92,6 +118,8 @@ def run_arm(args) -> dict:
     from rollwise.training.trainer import Trainer
     torch.set_num_threads(args.threads)
     dtype, extra = arm_settings(args.arm)
+    if extra.pop("loop_optimizer", False):
+        loop_optimizer().__enter__()  # for the rest of this arm's process
     cfg = load_config(args.config, [f"model.dtype={str(dtype).removeprefix('torch.')}"])
     model, tok = models.build(cfg.model)  # loaded in the arm's dtype, not the config's
     train_cfg = TrainConfig(**{**cfg.train.model_dump(),

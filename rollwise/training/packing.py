@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollwise.training.head import captured_head
 from rollwise.types import Batch, concat_ranges
 
 
@@ -200,27 +201,33 @@ def _long(values: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: bool = False):
+def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: bool = False,
+                          chunk: int | None = None):
     """log p(target) and entropy per (B, T-1) target column, as token_logprobs returns them,
-    from one forward pass over the packed rows. Columns that are not response targets hold 0."""
+    from one forward pass over the packed rows. Columns that are not response targets hold 0.
+    chunk: from the last hidden state, that many tokens at a time (rollwise.training.head);
+    None: through the full logits."""
     mask = packed.mask
     if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # additive float mask
         mask = torch.zeros(mask.shape, dtype=model.dtype).masked_fill(
             ~mask, torch.finfo(model.dtype).min)
     dev, home = model.device, batch.input_ids.device  # the model's device; the batch stays home
-    logits = model(input_ids=packed.input_ids.to(dev), attention_mask=mask.to(dev),
-                   position_ids=packed.position_ids.to(dev), use_cache=False).logits
-    # (no KV cache: see token_logprobs)
-    picked = logits[packed.src_row.to(dev), packed.src_pos.to(dev)].float().log_softmax(-1)
-    shape = (batch.size, batch.input_ids.shape[1] - 1)
-    logp_n = picked.gather(-1, packed.target.to(dev)[:, None]).squeeze(-1).to(home)
-    logp = torch.zeros(shape, dtype=picked.dtype).index_put((packed.dst_row, packed.dst_col),
-                                                            logp_n)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent_n = -(picked.exp() * picked).sum(-1).to(home)
-        ent = torch.zeros(shape, dtype=picked.dtype).index_put((packed.dst_row, packed.dst_col),
-                                                               ent_n)
-    return logp, ent
+    src = (packed.src_row.to(dev), packed.src_pos.to(dev))
+    run = lambda: model(input_ids=packed.input_ids.to(dev),  # noqa: E731
+                        attention_mask=mask.to(dev), position_ids=packed.position_ids.to(dev),
+                        use_cache=False)  # (no KV cache: see token_logprobs)
+    if chunk:
+        with captured_head(model, lambda h: h[src], packed.target, chunk, entropy_grad) as got:
+            run()
+        logp_n, ent_n = got["out"]
+    else:
+        picked = run().logits[src].float().log_softmax(-1)
+        logp_n = picked.gather(-1, packed.target.to(dev)[:, None]).squeeze(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent_n = -(picked.exp() * picked).sum(-1)
+    shape, at = (batch.size, batch.input_ids.shape[1] - 1), (packed.dst_row, packed.dst_col)
+    return tuple(torch.zeros(shape, dtype=x.dtype).index_put(at, x.to(home))
+                 for x in (logp_n, ent_n))
 
 
 def worth_packing(batch: Batch, packed: Packed, min_saving: float = 0.8) -> bool:

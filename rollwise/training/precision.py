@@ -12,8 +12,12 @@ first steps barely change the policy. From the float32 values each weight's offs
 grid is spread out, and the cast moves with the master on average from the first step.
 
     master = MasterWeights.of(model)       # None for an fp32 model
-    opt = AdamW(master.params())
+    opt = AdamW(master.params(), **adamw_kernel(master.params()))
     loss.backward(); master.grads_to_master(); opt.step(); master.master_to_model()
+
+Both copies are one foreach operation over every tensor (a kernel per few tensors on a GPU
+instead of one per tensor), and the masters' gradient buffers are kept from step to step:
+each step overwrites them, so they are neither zeroed nor allocated again.
 """
 
 from __future__ import annotations
@@ -48,15 +52,22 @@ class MasterWeights:
         return [m for _, m in self.pairs]
 
     def grads_to_master(self) -> None:
-        """Move the model's gradients onto the master copies (in fp32)."""
+        """Move the model's gradients onto the master copies (in fp32); a parameter without
+        one gets a zero gradient."""
+        have = [(p.grad, m) for p, m in self.pairs if p.grad is not None]
         for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+            if p.grad is None:
+                m.grad.zero_()
+        if have:
+            _foreach_copy([m.grad for _, m in have], [g for g, _ in have])
+        for p, _ in self.pairs:
             p.grad = None
 
     @torch.no_grad()
     def master_to_model(self) -> None:
-        for p, m in self.pairs:
-            p.copy_(m)
+        _foreach_copy([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
     def state_dict(self) -> list[torch.Tensor]:
         return [m.detach().clone() for _, m in self.pairs]
@@ -69,3 +80,26 @@ class MasterWeights:
         for (_, m), v in zip(self.pairs, state):
             m.copy_(v)
         self.master_to_model()
+
+
+def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i (casting), as one foreach operation where the tensors
+    allow it (sharded DTensors may not)."""
+    try:
+        torch._foreach_copy_(dst, src)
+    except (RuntimeError, NotImplementedError):
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict:
+    """AdamW's implementation for these tensors: torch's fused kernel (one pass over each
+    tensor's parameter, gradient and moments) where it has one for their device, else the
+    foreach one; never the per-tensor loop of Python calls."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    devices = {p.device.type for p in params}
+    plain = all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point()
+                for p in params)
+    if plain and devices <= set(_get_fused_kernels_supported_devices()):
+        return {"fused": True}
+    return {"foreach": True}

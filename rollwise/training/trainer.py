@@ -32,6 +32,7 @@ from rollwise.training.advantages import (
     no_shaping,
 )
 from rollwise.training.confidence import echo_clip, policy_token_stats
+from rollwise.training.head import captured_head, chunk_tokens, fusable
 from rollwise.training.losses import (
     ZERO_AT_ZERO_ADVANTAGE,
     LossParams,
@@ -40,23 +41,73 @@ from rollwise.training.losses import (
     get_policy_loss,
     masked_mean,
 )
+from rollwise.training.microbatch import auto_token_budget
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
-from rollwise.training.precision import MasterWeights
+from rollwise.training.precision import MasterWeights, adamw_kernel
 from rollwise.types import Batch, Group, Sample, Status
 
 
-def token_logprobs(model, batch: Batch, entropy_grad: bool = False):
+def token_logprobs(model, batch: Batch, entropy_grad: bool = False, chunk: int | None = None):
     """log p(target) and entropy per position, (B, T-1) each, from one forward pass.
-    The entropy carries a gradient only when entropy_grad (the entropy bonus needs it)."""
+    The entropy carries a gradient only when entropy_grad (the entropy bonus needs it).
+    chunk: from the last hidden state, that many tokens at a time (rollwise.training.head),
+    at the response targets only (every real target when the batch has no prompt lengths);
+    other columns hold 0. None: through the full logits, at every column."""
+    return _padded_pass(model, batch, entropy_grad, chunk)[0]
+
+
+@torch.no_grad()
+def chunked_and_full(model, batch: Batch, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) (B, T-1) through the chunked head, and through the model's own logits,
+    from one forward pass."""
+    (logp, _), logits = _padded_pass(model, batch, False, chunk, keep_logits=True)
+    return logp, _from_logits(logits, batch.input_ids.to(logits.device), False)[0].cpu()
+
+
+def _padded_pass(model, batch: Batch, entropy_grad: bool, chunk: int | None,
+                 keep_logits: bool = False):
+    """((log p, entropy), the model's logits if chunk and keep_logits)."""
     dev, home = model.device, batch.input_ids.device  # the model's device; the batch stays home
     ids = batch.input_ids.to(dev)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(dev),
-                   use_cache=False).logits  # no KV cache: it only copies keys and values
+    run = lambda: model(input_ids=ids, attention_mask=batch.attention_mask.to(dev),  # noqa: E731
+                        use_cache=False)  # no KV cache: it only copies keys and values
+    if not chunk:
+        logp, ent = _from_logits(run().logits, ids, entropy_grad)
+        return (logp.to(home), ent.to(home)), None
+    at = target_columns(batch).nonzero(as_tuple=True)
+    with captured_head(model, lambda h: h[:, :-1][at[0].to(dev), at[1].to(dev)],
+                       batch.input_ids[:, 1:][at], chunk, entropy_grad, keep_logits) as got:
+        logits = run().logits
+    return tuple(torch.zeros(batch.loss_mask.shape, dtype=x.dtype).index_put(at, x.to(home))
+                 for x in got["out"]), logits if keep_logits else None
+
+
+def _from_logits(logits: torch.Tensor, ids: torch.Tensor, entropy_grad: bool):
     logp_all = logits[:, :-1].float().log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp.to(home), ent.to(home)
+    return logp, ent
+
+
+CHECK_TOKENS = 4096  # padded tokens of the fast paths' one-time check
+
+
+def check_rows(batch: Batch) -> torch.Tensor:
+    """The first rows, at least two, whose padded size fits CHECK_TOKENS."""
+    longest = batch.attention_mask.sum(1).cummax(0).values
+    fits = (longest * torch.arange(1, batch.size + 1) <= CHECK_TOKENS).sum()
+    return torch.arange(min(batch.size, max(2, int(fits))))
+
+
+def target_columns(batch: Batch) -> torch.Tensor:
+    """(B, T-1) bool: the columns whose target is a response token (a real token after a real
+    one where the batch has no prompt lengths)."""
+    real = batch.attention_mask[:, 1:].bool() & batch.attention_mask[:, :-1].bool()
+    if batch.prompt_lens is None:
+        return real
+    cols = torch.arange(real.shape[1])
+    return real & (cols[None] >= batch.prompt_lens[:, None] - 1)
 
 
 def enable_checkpointing(model) -> None:
@@ -117,13 +168,17 @@ class Trainer:
             enable_checkpointing(model)
         self.master = MasterWeights.of(model)  # fp32 copies when the parameters are bf16/fp16
         self.optimizer = torch.optim.AdamW(self.params(), lr=cfg.lr,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay,
+                                           **adamw_kernel(self.params()))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg, s))
         self.ref_model = None  # with LoRA the reference is the model with adapters disabled
         if cfg.kl_coef > 0 and not self.adapters:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        self._pack, self._pack_checked = cfg.pack_prompts, False  # off if the model disagrees
+        self._pack = cfg.pack_prompts  # off if the model disagrees
+        self.token_budget = self._token_budget(model)  # tokens per forward pass, or None
+        self._chunk = self._head_chunk(model)  # tokens per head chunk; None: the full logits
+        self._checked = False  # the fast paths against the plain one, on the first batch
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch = None  # a model copy that snapshots are loaded into
         self.shard: tuple[int, int] | None = None  # (rank, world): one rank of an FSDP2 trainer
@@ -214,7 +269,7 @@ class Trainer:
 
     def logprobs(self, model, batch: Batch, entropy_grad: bool = False):
         """token_logprobs, through shared-prompt packing where it is on and saves tokens; a
-        pass without gradient over more than train.max_tokens_per_microbatch is cut in rows."""
+        pass without gradient over more than the token budget is cut in rows."""
         chunks = [] if torch.is_grad_enabled() else self.token_chunks(batch,
                                                                       torch.arange(batch.size))
         if len(chunks) > 1:
@@ -227,9 +282,9 @@ class Trainer:
         return self._logprobs(model, batch, entropy_grad)
 
     def token_chunks(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """rows in order, cut so each piece's padded size (rows x longest) fits
-        train.max_tokens_per_microbatch; a row longer than the budget goes alone."""
-        budget = self.cfg.max_tokens_per_microbatch
+        """rows in order, cut so each piece's padded size (rows x longest) fits the token
+        budget (train.max_tokens_per_microbatch); a row longer than the budget goes alone."""
+        budget = self.token_budget
         if budget is None or len(rows) == 0:
             return [rows]
         lengths = batch.attention_mask[rows].sum(-1).tolist()
@@ -242,39 +297,73 @@ class Trainer:
         out.append(rows[start:])
         return out
 
+    def _token_budget(self, model) -> int | None:
+        budget = self.cfg.max_tokens_per_microbatch
+        if budget != "auto":
+            return budget
+        return auto_token_budget(model, checkpointing=self.cfg.gradient_checkpointing,
+                                 reference=self.cfg.kl_coef > 0 and not self.adapters)
+
+    def _head_chunk(self, model) -> int | None:
+        if not self.cfg.chunked_logits:
+            return None
+        why = fusable(model)
+        if why is not None:
+            warnings.warn(f"train.chunked_logits: {why}; log-probabilities go through the full "
+                          f"logits (more memory)", RuntimeWarning)
+            return None
+        head = model.get_output_embeddings()
+        return chunk_tokens(head.out_features, self.cfg.logit_chunk_tokens,
+                            head.weight.device.type)
+
     def _logprobs(self, model, batch: Batch, entropy_grad: bool = False):
+        if not self._checked:
+            self._check_fast_paths(model, batch)
         if self._pack and batch.prompt_lens is not None:
             packed = pack(batch, fill=True)
             if worth_packing(batch, packed):
-                out = packed_token_logprobs(model, batch, packed, entropy_grad)
-                if self._pack_checked or self._packing_agrees(model, batch, out[0]):
-                    return out
-        return token_logprobs(model, batch, entropy_grad)
+                return packed_token_logprobs(model, batch, packed, entropy_grad, self._chunk)
+        return token_logprobs(model, batch, entropy_grad, self._chunk)
 
     @torch.no_grad()
-    def _packing_agrees(self, model, batch: Batch, packed_logp: torch.Tensor) -> bool:
-        """Once: the first packed result against the padded pass. A model whose attention
-        ignores custom 4D masks or position ids disagrees, and packing is turned off. The
-        first rows suffice (they hold whole groups, so responses share packed rows); a padded
-        pass over a whole batch costs as much as the rest of an update."""
-        self._pack_checked = True
-        rows = torch.arange(min(batch.size, 64))
-        sub = batch.select(rows)
-        gaps = (packed_logp[rows, :sub.loss_mask.shape[1]] - token_logprobs(model, sub)[0]).abs()
-        gaps = gaps[sub.loss_mask.bool()]
+    def _check_fast_paths(self, model, batch: Batch) -> None:
+        """Once, on the first batch: packing and the chunked head against the padded pass
+        through the model's own logits. A model whose attention ignores custom 4D masks or
+        position ids, or whose logits are not its head's output, disagrees, and that path is
+        turned off. The first rows suffice (they hold whole groups, so responses share packed
+        rows), up to CHECK_TOKENS: a padded pass over a whole batch costs as much as the rest
+        of an update, and its full logits would set the update's peak memory."""
+        self._checked = True
+        sub = batch.select(check_rows(batch))
+        if self._chunk:
+            chunked, plain = chunked_and_full(model, sub, self._chunk)
+            if not self._close(model, sub, chunked, plain, "train.chunked_logits", "chunking"):
+                self._chunk = None
+        elif self._pack:
+            plain = token_logprobs(model, sub)[0]
+        if self._pack and sub.prompt_lens is not None and not self._close(
+                model, sub, packed_token_logprobs(model, sub, pack(sub, fill=True),
+                                                  chunk=self._chunk)[0],
+                plain, "train.pack_prompts", "packing"):
+            self._pack = False
+
+    @staticmethod
+    def _close(model, sub: Batch, logp: torch.Tensor, plain: torch.Tensor, setting: str,
+               what: str) -> bool:
+        gaps = (logp[:, :plain.shape[1]] - plain).abs()[sub.loss_mask.bool()]
         # Float rounding only, or a model that ignores the mask (off by O(1) on most tokens). In
         # fp32 every token agrees to 1e-3. In bf16 the two layouts round differently: on
         # SmolLM2-135M a mean of 0.03 (largest 0.22) against 1.3 for a model ignoring the mask,
         # so the mean is what tells them apart there.
         fp32 = next(model.parameters()).dtype == torch.float32
-        gap, what, tol = ((float(gaps.max()), "at most", 1e-3) if fp32
-                          else (float(gaps.mean()), "on average", 0.1))
-        if not gap <= tol:
-            warnings.warn(f"train.pack_prompts: packed and padded log-probabilities differ by "
-                          f"{gap:.2g} {what} with this model; training without packing",
-                          RuntimeWarning)
-            self._pack = False
-        return self._pack
+        gap, how, tol = ((float(gaps.max()), "at most", 1e-3) if fp32
+                         else (float(gaps.mean()), "on average", 0.1))
+        if gap <= tol:
+            return True
+        warnings.warn(f"{setting}: log-probabilities differ from the padded pass through the "
+                      f"full logits by {gap:.2g} {how} with this model; training without "
+                      f"{what}", RuntimeWarning)
+        return False
 
     def _keep_snapshot(self) -> None:
         n = self.cfg.correction.snapshots
@@ -289,7 +378,7 @@ class Trainer:
         metrics[f"dropped_tokens/{reason}"] = float((mask - new).sum())
         return new
 
-    def _first_rows(self, first_mb: torch.Tensor | None,
+    def _first_rows(self, batch: Batch, first_mb: torch.Tensor | None,
                     advantages: torch.Tensor | None) -> torch.Tensor | None:
         """The rows of the first minibatch that its optimizer step will forward, when they
         are known before the old log-probs are (None: take no shortcut). The weights have not
@@ -300,7 +389,7 @@ class Trainer:
         if first_mb is None or advantages is None:
             return None  # advantages None: they (hence the moving rows) need the old log-probs
         if (cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb)) or \
-                cfg.max_tokens_per_microbatch:
+                len(self.token_chunks(batch, first_mb)) > 1:
             return None  # holding every micro-batch's graph would defeat micro-batching
         if not self._skips_zero_advantage():
             return first_mb
@@ -373,7 +462,7 @@ class Trainer:
         adv = None if kl_reward else self._advantages(groups, rewards)
         scalar = adv is not None and not adv.segments  # per-turn credit: a row's scalar may be 0
         prox, ent, first_pass = self._old_logprobs(
-            batch, self._first_rows(first_mb, adv.advantages if scalar else None), m)
+            batch, self._first_rows(batch, first_mb, adv.advantages if scalar else None), m)
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.reference_logprobs(batch) if self.has_reference() else None
         version_logp, known = self._version_logprobs(batch, prox)
@@ -502,7 +591,8 @@ class Trainer:
         share = len(idx) / prep.batch.size  # this minibatch's share of the dropped groups
         num_seqs, num_tokens = num_seqs + prep.absent[0] * share, \
             num_tokens + prep.absent[1] * share
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is None:  # the masters' gradients are overwritten by each step
+            self.optimizer.zero_grad(set_to_none=True)
         size = self.cfg.micro_batch_size or len(idx)
         acc: dict[str, float] = {}
         total, counted = 0.0, 0.0

@@ -23,7 +23,9 @@ def test_bench_gpu_on_cpu_reports_every_part(capsys):
     for r in out["rows"]:  # peers this machine lacks say why
         assert "skipped" not in r or r["skipped"]
     train = [r for r in out["rows"] if r["part"] == "train"]
-    assert [r["gradient_checkpointing"] for r in train] == [False, True]
+    assert [(r["chunked_logits"], r["fused_adamw"], r["gradient_checkpointing"])
+            for r in train] == [(False, False, False), (True, False, False), (True, True, False),
+                                (True, True, True)]  # each lever added to the row before
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in train)
     assert out["measured_bandwidth"] > 0 and out["measured_flops"] > 0
 

@@ -47,7 +47,7 @@ def test_bench_loop_replays_each_step_at_its_own_shape(tiny_config, tmp_path, ca
 
 
 def test_bench_trainer_arms_report_against_their_dtype_peak(tiny_config, capsys):
-    assert trainer.main(["--config", str(tiny_config), "--arms", "fp32,bf16+ckpt+mb256",
+    assert trainer.main(["--config", str(tiny_config), "--arms", "fp32+loopopt,bf16+ckpt+mb256",
                          "--repeats", "1", "--threads", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     fp32, bf16 = out["rows"]
@@ -70,6 +70,9 @@ def test_an_arm_uses_what_it_names_not_the_configs_defaults():
     assert trainer.arm_settings("bf16") == (torch.bfloat16, {"gradient_checkpointing": False})
     assert trainer.arm_settings("fp32+ckpt+mb512") == (
         torch.float32, {"gradient_checkpointing": True, "max_tokens_per_microbatch": 512})
+    assert trainer.arm_settings("bf16+full+loopopt") == (
+        torch.bfloat16, {"gradient_checkpointing": False, "chunked_logits": False,
+                         "loop_optimizer": True})
 
 
 @pytest.mark.integration
@@ -85,7 +88,7 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     assert all(p["ok"] for p in result["parts"].values())
     assert result["parts"]["fsdp2"]["max_weight_gap"] < 1e-5 < \
         result["parts"]["fsdp2"]["max_weight_change"]
-    for run in ("builtin_decode", "hf_decode", "train_update"):
+    for run in ("builtin_decode", "hf_decode", "train_update", "train_update_without_levers"):
         prof = result["parts"]["profile"][run]
         assert prof["wall_s"] > 0 and prof["top_ops"] and prof["device_busy_s"] is None
         assert all(op["op"].startswith("aten::") and op["calls"] > 0 for op in prof["top_ops"])

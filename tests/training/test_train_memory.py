@@ -183,3 +183,64 @@ def test_a_bf16_run_from_a_float32_folder_starts_its_masters_from_the_folder(tmp
         names = [n for n, _ in run.trainer.model.named_parameters()]
         assert run.trainer.model.dtype == torch.bfloat16
         assert all(torch.equal(m, saved[n]) for n, m in zip(names, run.trainer.master.params()))
+
+
+def loop_adamw_update(model, tok, groups, updates: int, monkeypatch):
+    """The same updates with AdamW's per-tensor loop and per-tensor master copies."""
+    from rollwise.training import precision, trainer
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "adamw_kernel", lambda params: {"foreach": False, "fused": False})
+        m.setattr(precision, "_foreach_copy",
+                  lambda dst, src: [d.copy_(s) for d, s in zip(dst, src)])
+        t = Trainer(model, TrainConfig(lr=1e-3, minibatches=2), pad_id=tok.pad_token_id)
+        assert t.optimizer.defaults["foreach"] is False and not t.optimizer.defaults["fused"]
+        for _ in range(updates):
+            t.update(clone(groups))
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_optimizer_and_foreach_master_copies_step_as_the_per_tensor_loop(
+        tiny, groups, dtype, monkeypatch):
+    """Three updates (six AdamW steps) through torch's fused AdamW and foreach copies land on
+    the parameters (bf16: the masters) and moments of the per-tensor loop, up to float
+    rounding (1e-4 of the distance six steps can move a weight); the masters' gradient
+    buffers are reused, not reallocated."""
+    model, tok = tiny
+    fast = Trainer(copy.deepcopy(model).to(dtype), TrainConfig(lr=1e-3, minibatches=2),
+                   pad_id=tok.pad_token_id)
+    assert fast.optimizer.defaults["fused"] is True
+    buffers = None
+    for _ in range(3):
+        fast.update(clone(groups))
+        if fast.master:
+            now = [m.grad.data_ptr() for m in fast.master.params()]
+            assert buffers in (None, now)
+            buffers = now
+    slow = loop_adamw_update(copy.deepcopy(model).to(dtype), tok, groups, 3, monkeypatch)
+    for a, b in zip(fast.params(), slow.params()):
+        # AdamW moves a weight by about lr a step: float rounding is far below that, a wrong
+        # step (bias correction, decay, a missed tensor) is not
+        assert a.dtype == torch.float32 and (a - b).abs().max() <= 1e-4 * 1e-3 * 6
+    for p, m in fast.master.pairs if fast.master else ():
+        assert torch.equal(p, m.to(p.dtype))  # the model holds the masters' cast
+    states = [(fast.optimizer.state[a], slow.optimizer.state[b])
+              for a, b in zip(fast.params(), slow.params())]
+    for sa, sb in states:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert (sa[key] - sb[key]).abs().max() <= 1e-4 * sb[key].abs().max()
+
+
+def test_a_parameter_without_a_gradient_gets_a_zero_master_gradient():
+    from rollwise.training.precision import MasterWeights
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).bfloat16()
+    master = MasterWeights.of(model)
+    for step in range(2):
+        model[0](torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()  # model[1] unused
+        master.grads_to_master()
+        grads = [m.grad for m in master.params()]
+        assert all(p.grad is None for p in model.parameters())
+        assert torch.equal(grads[0], model[0].weight.new_ones(3, 4).float())
+        assert not grads[2].any() and not grads[3].any()
+        if step == 0:
+            grads[2].fill_(7.0)  # a stale value from an earlier step is not kept

@@ -240,7 +240,8 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tiny, loss, agg):
     grads, params, rows = [], [], []
     for skip in (False, True):
         cfg = TrainConfig(loss=loss, loss_agg=agg, minibatches=2, skip_zero_advantage=skip,
-                          pack_prompts=False,  # rows counted unpacked
+                          pack_prompts=False,  # rows counted unpacked, and no check
+                          chunked_logits=False,  # of a fast path forwards rows of its own
                           old_logprobs_from_engine=False)  # every old log-prob recomputed
         trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=1)
         seen, through = capture_grads(trainer), _rows_through_model(trainer)
@@ -307,10 +308,11 @@ def test_the_first_step_reuses_the_old_logprob_pass_and_keeps_its_gradient(tiny,
     model, tok = tiny
     grads, rows = [], []
     for reuse in (False, True):
-        cfg = TrainConfig(minibatches=2, lr=1e-3, pack_prompts=False)
+        cfg = TrainConfig(minibatches=2, lr=1e-3, pack_prompts=False,
+                          chunked_logits=False)  # no first-update check: it forwards rows too
         trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=2)
         if not reuse:
-            trainer._first_rows = lambda groups, idx: None
+            trainer._first_rows = lambda batch, rows, advantages: None
         seen, through = capture_grads(trainer), _rows_through_model(trainer)
         m = trainer.update(clone(groups))
         assert m["train/tokens"] > 0
