@@ -103,10 +103,12 @@ def trl_prompts(task, prompter) -> dict[str, list]:
 
 
 def rollwise_optimizer(model, cfg: Config, opt_steps_per_rl_step: int):
-    """rollwise's AdamW and schedule (trainer.lr_factor, per RL step), stepped once per TRL
-    optimizer step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
-                            weight_decay=cfg.train.weight_decay)
+    """rollwise's AdamW (its kernel too) and schedule (trainer.lr_factor, per RL step),
+    stepped once per TRL optimizer step."""
+    from rollwise.training.precision import adamw_kernel
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                            **adamw_kernel(params))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(cfg.train, s // opt_steps_per_rl_step))
     return opt, sched
