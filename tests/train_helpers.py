@@ -72,3 +72,18 @@ def clone(groups: list[Group]) -> list[Group]:
 def params_equal(a, b, atol=0.0) -> bool:
     return all(torch.allclose(p, q, atol=atol, rtol=0) for p, q in
                zip(a.parameters(), b.parameters()))
+
+
+def random_samples(seed: int, prompts: int = 5, vocab=(3, 50)) -> list[Sample]:
+    """Groups of 1-6 samples sharing a random prompt; responses of 0-7 tokens; shuffled."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(prompts):
+        prompt = [rng.randrange(*vocab) for _ in range(rng.randint(1, 12))]
+        for _ in range(rng.randint(1, 6)):
+            resp = [rng.randrange(*vocab) for _ in range(rng.randint(0, 7))]
+            out.append(Sample(prompt_id=str(g), prompt_ids=prompt, response_ids=resp,
+                              logprobs=[0.0] * len(resp), versions=[0] * len(resp),
+                              loss_mask=[1] * len(resp)))
+    rng.shuffle(out)
+    return out

@@ -145,7 +145,7 @@ def head_logprobs(hidden, weight, bias, target, chunk: int, entropy_grad: bool =
 
 
 @contextmanager
-def captured_head(model, pick, target: torch.Tensor, chunk: int | None,
+def captured_head(model, pick, target: torch.Tensor, chunk: int,
                   entropy_grad: bool = False, keep_logits: bool = False):
     """Within the block, a forward pass of `model` computes (log p, entropy) of `target` at
     the positions `pick(last_hidden_state)` selects (N, H), instead of the logits; they are in
@@ -154,7 +154,6 @@ def captured_head(model, pick, target: torch.Tensor, chunk: int | None,
     compare the two)."""
     head = model.get_output_embeddings()
     own_forward = head.forward
-    chunk = chunk_tokens(head.out_features, chunk, head.weight.device.type)
     result: dict = {}
 
     def fused(hidden):

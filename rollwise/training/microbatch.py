@@ -18,6 +18,7 @@ import torch
 
 TRAINER_SHARE = 0.5  # of the device's memory
 MIN_TOKENS = 1024  # never cut passes smaller than this; a longer row goes alone anyway
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 def device_memory(device: torch.device) -> int:
@@ -26,7 +27,7 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in CGROUP_LIMITS:  # v2, v1; "max" (v2) means none
         try:
             with open(path) as f:
                 limit = f.read().strip()

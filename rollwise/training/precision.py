@@ -82,14 +82,19 @@ class MasterWeights:
         self.master_to_model()
 
 
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    """Plain tensors (not FSDP2's DTensors: torch has no sharding rule for _foreach_copy_ or
+    a fused AdamW kernel on them)."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
 def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for all i (casting), as one foreach operation where the tensors
-    allow it (sharded DTensors may not)."""
-    try:
+    """dst[i].copy_(src[i]) for all i (casting), as one foreach operation on plain tensors."""
+    if _plain(dst) and _plain(src):
         torch._foreach_copy_(dst, src)
-    except (RuntimeError, NotImplementedError):
-        for d, s in zip(dst, src):
-            d.copy_(s)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict:
@@ -98,8 +103,7 @@ def adamw_kernel(params: list[torch.Tensor]) -> dict:
     foreach one; never the per-tensor loop of Python calls."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
     devices = {p.device.type for p in params}
-    plain = all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point()
-                for p in params)
-    if plain and devices <= set(_get_fused_kernels_supported_devices()):
+    floating = all(p.is_floating_point() for p in params)
+    if _plain(params) and floating and devices <= set(_get_fused_kernels_supported_devices()):
         return {"fused": True}
     return {"foreach": True}

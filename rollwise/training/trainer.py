@@ -61,7 +61,8 @@ def chunked_and_full(model, batch: Batch, chunk: int) -> tuple[torch.Tensor, tor
     """log p(target) (B, T-1) through the chunked head, and through the model's own logits,
     from one forward pass."""
     (logp, _), logits = _padded_pass(model, batch, False, chunk, keep_logits=True)
-    return logp, _from_logits(logits, batch.input_ids.to(logits.device), False)[0].cpu()
+    full = _from_logits(logits, batch.input_ids.to(logits.device), False)[0]
+    return logp, full.to(batch.input_ids.device)
 
 
 def _padded_pass(model, batch: Batch, entropy_grad: bool, chunk: int | None,

@@ -5,21 +5,20 @@ never exist; a model whose logits are not its head's output is caught and traine
 way."""
 
 import copy
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 from chat_model import build_chat_model, favour_token
 from torch.utils._python_dispatch import TorchDispatchMode
-from train_helpers import capture_grads, clone, make_groups
+from train_helpers import capture_grads, clone, make_groups, random_samples
 from transformers import AutoModelForCausalLM
 
 from rollwise.config import TrainConfig
 from rollwise.training.head import fusable, head_logprobs
 from rollwise.training.packing import pack, packed_token_logprobs
 from rollwise.training.trainer import Trainer, token_logprobs
-from rollwise.types import Batch, Sample
+from rollwise.types import Batch
 
 REL = 1e-6
 
@@ -64,18 +63,8 @@ def test_the_entropy_is_detached_unless_asked():
     assert lp.requires_grad and not ent.requires_grad
 
 
-def random_batch(tok, seed: int, prompts: int = 4) -> Batch:
-    rng = random.Random(seed)
-    vocab = (3, min(len(tok), 400) - 1)
-    samples = []
-    for g in range(prompts):
-        prompt = [rng.randrange(*vocab) for _ in range(rng.randint(2, 12))]
-        for _ in range(rng.randint(1, 5)):
-            resp = [rng.randrange(*vocab) for _ in range(rng.randint(1, 9))]
-            samples.append(Sample(prompt_id=str(g), prompt_ids=prompt, response_ids=resp,
-                                  logprobs=[0.0] * len(resp), versions=[0] * len(resp),
-                                  loss_mask=[1] * len(resp)))
-    rng.shuffle(samples)
+def random_batch(tok, seed: int, prompts: int = 5) -> Batch:
+    samples = random_samples(seed, prompts, vocab=(3, min(len(tok), 400) - 1))
     return Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
 
 
@@ -147,20 +136,28 @@ def test_the_full_logits_never_exist_in_the_forward_or_backward(chat, packed, mo
         assert seen.largest <= most if chunk else seen.largest >= most  # rows of V logits
 
 
-def test_the_trainer_chunks_by_default_and_updates_as_the_full_logits_do(tiny):
-    model, tok = tiny
-    groups = make_groups(model, tok, n_prompts=4, group_size=4, max_new_tokens=6, seed=11)
-    grads = []
+def steps_with_and_without_chunks(model, tok, groups, **settings):
+    """Each optimizer step's gradient (flattened) of one update with train.chunked_logits off
+    and on; the trainer chunks when asked."""
+    out = []
     for chunked in (False, True):
-        cfg = TrainConfig(minibatches=2, chunked_logits=chunked, logit_chunk_tokens=7,
-                          entropy_coef=0.01)
-        trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=2)
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(chunked_logits=chunked, **settings),
+                          pad_id=tok.pad_token_id, seed=2)
+        assert (trainer._chunk is not None) is chunked
         seen = capture_grads(trainer)
         trainer.update(clone(groups))
-        assert (trainer._chunk == 7) is chunked
-        grads.append([torch.cat([g.flatten() for g in step]) for step in seen])
-    assert len(grads[0]) == len(grads[1]) == 2
-    for a, b in zip(*grads):
+        out.append([torch.cat([g.flatten() for g in step]) for step in seen])
+    return out
+
+
+def test_the_trainer_chunks_by_default_and_updates_as_the_full_logits_do(tiny):
+    model, tok = tiny
+    assert TrainConfig().chunked_logits
+    groups = make_groups(model, tok, n_prompts=4, group_size=4, max_new_tokens=6, seed=11)
+    full, chunked = steps_with_and_without_chunks(model, tok, groups, minibatches=2,
+                                                  logit_chunk_tokens=7, entropy_coef=0.01)
+    assert len(full) == len(chunked) == 2
+    for a, b in zip(full, chunked):
         assert close(b, a, 1e-5)
 
 
@@ -172,16 +169,9 @@ def test_the_default_chunk_follows_the_vocabulary(tiny):
 def test_a_lora_model_chunks_through_its_unwrapped_head(tiny):
     model, tok = tiny
     groups = make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=6, seed=4)
-    grads = []
-    for chunked in (False, True):
-        cfg = TrainConfig(minibatches=1, chunked_logits=chunked, logit_chunk_tokens=3,
-                          lora={"rank": 4})
-        trainer = Trainer(copy.deepcopy(model), cfg, pad_id=tok.pad_token_id, seed=2)
-        assert (trainer._chunk is not None) is chunked
-        seen = capture_grads(trainer)
-        trainer.update(clone(groups))
-        grads.append(torch.cat([g.flatten() for g in seen[0]]))
-    assert close(grads[1], grads[0], 1e-5)
+    full, chunked = steps_with_and_without_chunks(model, tok, groups, minibatches=1,
+                                                  logit_chunk_tokens=3, lora={"rank": 4})
+    assert close(chunked[0], full[0], 1e-5)
 
 
 def test_a_model_whose_logits_are_not_its_heads_output_is_trained_on_full_logits(tiny):

@@ -100,7 +100,14 @@ def test_a_trainer_on_a_small_machine_cuts_its_passes_and_a_setting_overrides(ti
                    pad_id=0).token_budget is None
 
 
-def test_the_device_memory_is_the_machines_within_its_container():
+def test_the_device_memory_is_the_machines_within_its_container(tmp_path, monkeypatch):
     import os
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert 0 < microbatch.device_memory(torch.device("cpu")) <= total
+    limit, unlimited = tmp_path / "memory.max", tmp_path / "unlimited"
+    limit.write_text(f"{2 ** 30}\n")
+    unlimited.write_text("max\n")
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(microbatch, "CGROUP_LIMITS", (str(unlimited), str(tmp_path / "none")))
+    assert microbatch.device_memory(cpu) == total
+    monkeypatch.setattr(microbatch, "CGROUP_LIMITS", (str(unlimited), str(limit)))
+    assert microbatch.device_memory(cpu) == min(total, 2 ** 30)

@@ -8,27 +8,12 @@ import random
 
 import pytest
 import torch
-from train_helpers import capture_grads, clone, make_groups
+from train_helpers import capture_grads, clone, make_groups, random_samples
 
 from rollwise.config import TrainConfig
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Sample
-
-
-def random_samples(seed: int, prompts: int = 5, vocab=(3, 50)) -> list[Sample]:
-    """Groups of 1-6 samples sharing a random prompt; responses of 0-7 tokens; shuffled."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(prompts):
-        prompt = [rng.randrange(*vocab) for _ in range(rng.randint(1, 12))]
-        for _ in range(rng.randint(1, 6)):
-            resp = [rng.randrange(*vocab) for _ in range(rng.randint(0, 7))]
-            out.append(Sample(prompt_id=str(g), prompt_ids=prompt, response_ids=resp,
-                              logprobs=[0.0] * len(resp), versions=[0] * len(resp),
-                              loss_mask=[1] * len(resp)))
-    rng.shuffle(out)
-    return out
 
 
 @pytest.mark.parametrize("seed", range(4))
