@@ -6,8 +6,12 @@ Control / Replay). Entry points: `python -m rollwise --help`, and in Python:
     cfg = rollwise.load_config("configs/default.yaml", ["train.lr=1e-4"])
 """
 
-from rollwise.api import train
-from rollwise.config import load_config
+from rollwise.numerics import choose_strict_mkl
+
+choose_strict_mkl()  # before anything here imports torch and runs MKL
+
+from rollwise.api import train  # noqa: E402
+from rollwise.config import load_config  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load_config", "train"]

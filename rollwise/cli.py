@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from rollwise.config import Config, ConfigError, commented_yaml, defaults_yaml, load_config
+from rollwise.gym_settings import precheck
 
 # Each command imports what it needs when it runs: `rollwise --help` and `rollwise config`
 # start without torch, transformers or Ray.
@@ -37,9 +38,11 @@ def _load(args) -> Config:
 
 
 def cmd_train(args) -> int:
-    from rollwise.loop.run import train
     if args.resume is None:
-        return _exit_code(train(_load(args)))
+        cfg = _load(args)  # a config error is said before the training stack is imported
+        precheck(cfg)
+        from rollwise.loop.run import train
+        return _exit_code(train(cfg))
     run = Path(args.resume)
     if args.config:
         raise ConfigError("--resume uses the run's own config.yaml; give changes as "
@@ -49,6 +52,8 @@ def cmd_train(args) -> int:
                           f"e.g. runs/default")
     cfg = load_config(run / "config.yaml", args.overrides)
     cfg.run.root, cfg.run.name = str(run.parent), run.name
+    precheck(cfg)
+    from rollwise.loop.run import train
     return _exit_code(train(cfg, resume=True))
 
 
@@ -75,7 +80,7 @@ def cmd_sft(args) -> int:
 def cmd_eval(args) -> int:
     from rollwise import models
     from rollwise.engine import BuiltinEngine
-    from rollwise.evaluate import vote
+    from rollwise.evaluate import scoring_bounded, vote
     from rollwise.stages.filter import eval_scorer
     from rollwise.stages.generate import build_generator
     from rollwise.tasks import load_task
@@ -90,15 +95,16 @@ def cmd_eval(args) -> int:
     scorer = eval_scorer(cfg.filter, task)
     prompter = Prompter.for_task(cfg.task, tok, task, model)
     engine = BuiltinEngine(model, copy_model=False)
-    try:
+    def play() -> dict[str, float]:
         if args.vote is None:  # played as the run's generation strategy plays its samples
-            metrics = build_generator(cfg, tok).evaluate(engine, prompter, task.eval, cfg,
-                                                         scorer)
-        else:
-            weigh = None if args.vote == "majority" else quality_head(cfg, model_dir, model)
-            metrics = vote(engine, prompter, task.eval, scorer, task.extract_answer,
-                           cfg.generate.max_new_tokens, cfg.run.eval_samples,
-                           cfg.run.eval_temperature, weigh)
+            return build_generator(cfg, tok).evaluate(engine, prompter, task.eval, cfg, scorer)
+        weigh = None if args.vote == "majority" else quality_head(cfg, model_dir, model)
+        return vote(engine, prompter, task.eval, scorer, task.extract_answer,
+                    cfg.generate.max_new_tokens, cfg.run.eval_samples,
+                    cfg.run.eval_temperature, weigh)
+    try:
+        metrics = scoring_bounded(scorer, cfg.run.eval_scoring_deadline_s, play,
+                                  lambda line: print(line, file=sys.stderr))
     finally:
         scorer.close()  # its verifier workers
     print(json.dumps(metrics, indent=2))
@@ -139,17 +145,17 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     """The OpenAI-compatible endpoints over a model folder, for inference (rollwise.serve)."""
+    from rollwise.serve.server import check_bind, serve_forever
+    try:
+        check_bind(args.host, args.api_key)  # before torch and the model load
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from rollwise import models
     from rollwise.engine import BuiltinEngine
     from rollwise.serve.app import build_app
     from rollwise.serve.driver import EngineDriver
-    from rollwise.serve.server import check_bind, serve_forever
     from rollwise.serve.service import Service
     from rollwise.tasks.prompts import stop_ids
-    try:
-        check_bind(args.host, args.api_key)  # before the model loads
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     model, tok = models.load_model(args.model, args.dtype)
     name = args.name or Path(args.model).name
     service = Service(tok, name, model.config.max_position_embeddings,
@@ -234,6 +240,19 @@ def cmd_bench(args) -> int:
     return module.main(args.rest)
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with section.key=value overrides taken wherever they stand: after a
+    positional ('config show --config F key=value'), argparse has already closed the
+    overrides' list and would refuse them."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all(
+            "=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollwise", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -311,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -858,6 +858,9 @@ class RunConfig(Section):
     eval_temperature: float = Field(0.0, ge=0)
     """0: greedy. RL maximizes the reward sampled at generate.temperature, so the mean over
     samples at that temperature is the pass@1 the policy is trained for."""
+    eval_scoring_deadline_s: float = Field(300.0, gt=0)
+    """An evaluation's scoring, as a whole, ends by then: answers not scored yet count as
+    failed (eval/failed/deadline) and the run goes on. Each answer also has filter.timeout_s."""
     log: Literal["auto", "rich", "plain", "quiet"] = "auto"
     init: str | None = None
     """Start RL from this model folder instead of the (cached) warm start."""
@@ -937,7 +940,10 @@ def _format_error(err: ValidationError) -> str:
         elif isinstance(e.get("input"), dict):  # a section-level check names its own keys
             lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"{where} = {e.get('input')!r}: {e['msg']}")
+            msg = e["msg"].removeprefix("Value error, ")
+            # a check that names its key and value itself is said as it is
+            lines.append(msg if msg.startswith(f"{where} ") else
+                         f"{where} = {e.get('input')!r}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

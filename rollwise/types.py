@@ -13,9 +13,10 @@ import dataclasses
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a Batch is built: records alone do not need it
+    import torch
 
 
 class Status(str, enum.Enum):
@@ -204,6 +205,7 @@ class Batch:
                      group_index: list[int] | None = None) -> "Batch":
         # One tensor per column for the whole batch, scattered into place: a Python loop of
         # small tensor copies per sample costs more than the trainer's forward pass here.
+        import torch
         P = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
         N = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
         B, T = len(samples), int((P + N).max())
@@ -250,5 +252,6 @@ class Batch:
 
 def concat_ranges(n: torch.Tensor) -> torch.Tensor:
     """0..n[0]-1, 0..n[1]-1, ... concatenated."""
+    import torch
     starts = torch.cumsum(n, 0) - n
     return torch.arange(int(n.sum())) - starts.repeat_interleave(n)

@@ -12,7 +12,7 @@ from rollwise.stages.filter.base import Verdict
 
 
 def flaky(response: str, problem):
-    """Misbehaves on command: hangs, dies, raises, or returns garbage."""
+    """Misbehaves on command: hangs, dies, raises, returns garbage or a huge info."""
     if response == "hang":
         time.sleep(600)
     if response == "die":
@@ -23,6 +23,10 @@ def flaky(response: str, problem):
         return "not a number"
     if response == "nan":
         return float("nan")
+    if response == "huge":  # a 10 MB info with a good reward
+        return 1.0, "i" * (10 << 20)
+    if response == "huge-raise":
+        raise ValueError("e" * (10 << 20))
     return float(response == problem.answer[::-1]), "checked"
 
 
@@ -42,3 +46,9 @@ def hangs_sometimes(response: str, problem):
     if response and sum(map(ord, response)) % 64 == 0:
         time.sleep(3600)
     return float(len(response) % 2), "parity"
+
+
+def torch_imported(response: str, problem):
+    """1 where the worker process that scores it has imported torch."""
+    import sys
+    return float("torch" in sys.modules), "checked"

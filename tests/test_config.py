@@ -123,6 +123,44 @@ def test_bad_file_and_cli_exit_code(tmp_path, capsys):
     assert "train.lr = 'oops'" in capsys.readouterr().err
 
 
+def test_overrides_after_the_config_file_are_taken_in_any_order(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("train:\n  lr: 0.5\n  steps: 7\n")
+    for argv in (["config", "show", "--config", str(tmp_path / "c.yaml"), "train.lr=0.02"],
+                 ["config", "show", "train.lr=0.02", "--config", str(tmp_path / "c.yaml")]):
+        assert main(argv) == 0
+        shown = Config.model_validate(yaml.safe_load(capsys.readouterr().out))
+        assert (shown.train.lr, shown.train.steps) == (0.02, 7)
+    with pytest.raises(SystemExit):  # anything else unknown is still refused
+        main(["config", "show", "--config", str(tmp_path / "c.yaml"), "--bogus"])
+
+
+def test_a_check_that_names_its_key_is_not_prefixed_twice(capsys):
+    assert main(["config", "show", "generate.strategy=nopkg.mod:thing"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("generate.strategy = 'nopkg.mod:thing'") == 1
+    assert "Value error" not in err and "cannot import nopkg.mod:thing" in err
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("generate.strategy=nopkg.mod:thing", "cannot import nopkg.mod:thing"),
+    ("task.gym.chain_sum.max_digitz=2", "max_digitz: not a setting"),
+    ("filter.reward=math", "filter.reward=gym"),
+])
+def test_train_says_a_config_error_before_importing_torch(tmp_path, override, expected):
+    """The training stack (torch and the rest) is imported only once the config and the
+    task's settings are known to be good: a mistake is said in a second or two."""
+    import subprocess
+    import sys
+    task = "task.name=gym:countdown" if "reward" in override else "task.name=gym:chain_sum"
+    code = ("import sys; from rollwise.cli import main; "
+            f"rc = main(['train', 'run.root={tmp_path}', '{task}', '{override}']); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.split() == ["2", "False"], out.stderr
+    assert expected in out.stderr and not any(tmp_path.iterdir())
+
+
 def test_config_show_round_trips(capsys):
     assert main(["config", "show", "train.lr=0.01"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)

@@ -27,8 +27,11 @@ from rollwise import models
 from rollwise.config import Config, ConfigError, dump_config
 from rollwise.devices import resolve_device
 from rollwise.engine.backends import build_engine
+from rollwise.evaluate import scoring_bounded
+from rollwise.gym_settings import precheck
 from rollwise.loop.async_ import Pipeline
 from rollwise.loop.metrics import StepResult, step_metrics
+from rollwise.numerics import reproducibility_note
 from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
 from rollwise.stages.control.stage import Control
@@ -115,8 +118,9 @@ def model_source(cfg: Config, task, inputs: Inputs) -> str | None:
 def preflight(cfg: Config, inputs: Inputs):
     """Checks that need more than the config, made before any work (no warm start, no run
     directory touched): the device exists; the model folder (or catalog model) is there; a
-    required chat template is there. The device."""
+    required chat template is there; a gym task's settings and verifier. The device."""
     device = resolve_device(cfg.run.device)
+    precheck(cfg)
     for key, path in (("model.path", cfg.model.path), ("run.init", cfg.run.init)):
         if path and inputs.model is None:
             try:
@@ -168,6 +172,10 @@ class Run:
                 progress.log(f"loop.mode=async on CPU: {threads} torch thread(s) each for "
                              f"generation and training, which run side by side (set "
                              f"run.threads to choose)")
+        note = reproducibility_note(torch.get_num_threads()) \
+            if torch.device(self.device).type == "cpu" else None
+        if note:
+            progress.log(note)
         self.dir = Path(cfg.run.root) / cfg.run.name
         if self.dir.exists() and not resume:
             progress.log(f"replacing the earlier run in {self.dir}")
@@ -220,9 +228,12 @@ class Run:
                 f"unknown token {self.tokenizer.unk_token!r} in their place")
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics, played as the generation strategy plays its samples."""
-        return self.generator.evaluate(self.engine, self.prompter, self.task.eval, self.cfg,
-                                       self.eval_scorer)
+        """Held-out metrics, played as the generation strategy plays its samples; its scoring
+        bounded as a whole, its failures counted (eval/failed) and said."""
+        return scoring_bounded(self.eval_scorer, self.cfg.run.eval_scoring_deadline_s,
+                               lambda: self.generator.evaluate(
+                                   self.engine, self.prompter, self.task.eval, self.cfg,
+                                   self.eval_scorer), self.progress.log)
 
     def step(self, step: int) -> StepResult:
         """Generate -> Filter -> Control -> Replay, persist, train, sync: one pass."""
@@ -383,7 +394,7 @@ class Run:
         steps after it are generated again exactly once; returns the loop's saved state."""
         state = checkpoint.load()
         self.load_state_dict(state)
-        ckpt.clean(self.dir, checkpoint.step)
+        ckpt.clean(self.dir, checkpoint.step, self.progress.log)
         # an asynchronous run's checkpoint holds steps generated (and stored) but not trained
         queued = [r.step for r in state["loop"].get("queued", [])]
         self.store.truncate(max([checkpoint.step, *queued]))

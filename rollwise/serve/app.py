@@ -25,10 +25,18 @@ from pydantic import ValidationError
 
 from rollwise.engine import SamplingParams
 from rollwise.serve.chat import Continued, Turn
+from rollwise.serve.gate import Gate
 from rollwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, usage
-from rollwise.serve.service import Choice, EpisodeCalls, Policy, Service, run_choices
+from rollwise.serve.service import (
+    Choice,
+    EpisodeCalls,
+    Policy,
+    Service,
+    choice_seed,
+    run_choices,
+)
 
-MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413) before it is read
+MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413), declared or streamed
 
 
 def build_app(service: Service) -> FastAPI:
@@ -43,19 +51,7 @@ def build_app(service: Service) -> FastAPI:
         return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", "internal_error",
                                      kind="server_error").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _key(request: Request, call_next):
-        size = request.headers.get("content-length", "0")
-        if not size.isdigit() or int(size) > MAX_BODY_BYTES:
-            return JSONResponse(ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes",
-                                         "body_too_large").body(), status_code=413)
-        if service.api_key is not None and not secrets.compare_digest(
-                request.headers.get("authorization", ""), f"Bearer {service.api_key}"):
-            return JSONResponse(ApiError(401, "missing or wrong API key (Authorization: Bearer "
-                                         "KEY)", "invalid_api_key",
-                                         kind="authentication_error").body(), status_code=401)
-        return await call_next(request)
-
+    app.add_middleware(Gate, api_key=service.api_key, limit=MAX_BODY_BYTES)
     for prefix in ("/v1", "/episodes/{episode}/v1"):
         app.get(prefix + "/models")(_models(service))
         app.post(prefix + "/chat/completions")(_chat(service))
@@ -71,17 +67,23 @@ def _models(service: Service):
     return models
 
 
-async def _body(request: Request, model):
+async def _body(service: Service, request: Request, model):
+    """The request's body as `model`, parsed and validated on the work thread."""
+    return await service.off_loop(_parse, await request.body(), model)
+
+
+def _parse(raw: bytes, model):
     try:
-        raw = await request.json()
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the body is not JSON", "invalid_json") from None
     try:
-        return model.model_validate(raw)
+        return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']}", "invalid_request", where) from None
+        raise ApiError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}",
+                       "invalid_request", where) from None
 
 
 def _checks(service: Service, req, episode: str | None) -> EpisodeCalls | None:
@@ -103,38 +105,34 @@ def _checks(service: Service, req, episode: str | None) -> EpisodeCalls | None:
 def _budget(service: Service, prompt_len: int, asked: int | None) -> int:
     room = service.max_context - prompt_len
     if asked is not None and asked > room or room < 1:
+        wants = f"max_tokens asks {asked} more" if asked else "no room is left for an answer"
         raise ApiError(400, f"this model's context is {service.max_context} tokens; the prompt "
-                       f"has {prompt_len} and max_tokens asks {asked or 1} more",
-                       "context_length_exceeded", "messages")
+                       f"has {prompt_len} and {wants}", "context_length_exceeded", "messages")
     return asked or min(room, service.default_max_tokens)
 
 
 def _params(service: Service, req, max_new: int, top_logprobs: int, policy: Policy | None,
             seed: int | None = None) -> list[SamplingParams]:
     """Each choice's sampling: the client's settings, the round's policy over them inside an
-    episode, and seed + the choice's index (seed: the client's, or the episode's own)."""
+    episode, and the choice's seed (choice_seed: from the client's seed, or the episode's)."""
     temperature = policy.temperature if policy and policy.temperature is not None \
         else req.temperature
     top_p = policy.top_p if policy and policy.top_p is not None else req.top_p
     return [SamplingParams(temperature=temperature, top_p=top_p,
                            top_k=policy.top_k if policy else 0, max_new_tokens=max_new,
                            stop_ids=service.stop_ids, top_logprobs=top_logprobs,
-                           seed=None if seed is None else seed + i,
+                           seed=choice_seed(seed, i),
                            event_every=1 if req.stop else 0) for i in range(req.n)]
 
 
 def _chat(service: Service):
     async def chat(request: Request, episode: str | None = None):
-        req = await _body(request, ChatRequest)
+        req = await _body(service, request, ChatRequest)
         ep = _checks(service, req, episode)
         messages = [m.plain() for m in req.messages]
         tools = None if req.tool_choice == "none" else req.tools
-        try:
-            at = ep.transcript.prompt(messages, tools) if ep else \
-                Continued(service.renderer.prompt_ids(messages, tools))
-        except TemplateError as e:  # e.g. a template that wants roles to alternate
-            raise ApiError(400, f"the chat template cannot render these messages: {e}",
-                           "invalid_messages", "messages") from None
+        service.check_prompt_chars(_chars(messages, tools), "messages")
+        at = await service.off_loop(_chat_prompt, service, ep, messages, tools)
         max_new = _budget(service, len(at.prompt_ids),
                           req.max_completion_tokens or req.max_tokens)
         k = (req.top_logprobs or 0) if req.logprobs else 0
@@ -166,6 +164,22 @@ def _chat(service: Service):
         return StreamingResponse(_chat_stream(service, req, at, params, head, tools, message,
                                               finished), media_type="text/event-stream")
     return chat
+
+
+def _chars(messages: list[dict], tools) -> int:
+    """The characters the prompt holds at least: contents, tool calls and tools."""
+    return sum(len(m.get("content") or "") + (len(json.dumps(m["tool_calls"]))
+                                              if m.get("tool_calls") else 0)
+               for m in messages) + (len(json.dumps(tools)) if tools else 0)
+
+
+def _chat_prompt(service: Service, ep: EpisodeCalls | None, messages, tools) -> Continued:
+    try:
+        return ep.transcript.prompt(messages, tools) if ep else \
+            Continued(service.renderer.prompt_ids(messages, tools))
+    except TemplateError as e:  # e.g. a template that wants roles to alternate
+        raise ApiError(400, f"the chat template cannot render these messages: {e}",
+                       "invalid_messages", "messages") from None
 
 
 def _assistant(service: Service, c: Choice, req: ChatRequest, tools) -> tuple[dict, str]:
@@ -280,10 +294,12 @@ async def _events(produce):
 
 def _completions(service: Service):
     async def completions(request: Request, episode: str | None = None):
-        req = await _body(request, CompletionRequest)
+        req = await _body(service, request, CompletionRequest)
         _checks(service, req, episode)
-        prompts = [p if isinstance(p, list) else service.tokenizer.encode(p)
-                   for p in req.prompts()]
+        texts = [p for p in req.prompts() if isinstance(p, str)]
+        service.check_prompt_chars(max(map(len, texts), default=0), "prompt")
+        prompts = await service.off_loop(lambda: [
+            p if isinstance(p, list) else service.tokenizer.encode(p) for p in req.prompts()])
         for ids in prompts:
             if not ids or any(not 0 <= t < len(service.tokenizer) for t in ids):
                 raise ApiError(400, "a prompt is empty or holds token ids outside the "

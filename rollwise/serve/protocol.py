@@ -90,7 +90,7 @@ class ChatRequest(Sampling):
     def _functions(cls, v):
         for t in v or []:
             f = t.get("function") if isinstance(t, dict) else None
-            if t.get("type") != "function" or not isinstance(f, dict) or \
+            if not isinstance(f, dict) or t.get("type") != "function" or \
                     not isinstance(f.get("name"), str):
                 raise ValueError("each tool must be {'type': 'function', 'function': "
                                  "{'name': ..., 'parameters': {...}}}")
@@ -102,7 +102,9 @@ class ChatRequest(Sampling):
         if isinstance(v, str) and v not in ("none", "auto", "required"):
             raise ValueError("tool_choice: 'none', 'auto', 'required' or "
                              "{'type': 'function', 'function': {'name': ...}}")
-        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
+        function = v.get("function") if isinstance(v, dict) else None
+        if isinstance(v, dict) and not (isinstance(function, dict) and
+                                        isinstance(function.get("name"), str)):
             raise ValueError("tool_choice: {'type': 'function', 'function': {'name': ...}}")
         return v
 

@@ -6,7 +6,9 @@ choices run on the engine, each choice's text cut at its first stop string.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rollwise.engine import SamplingParams
@@ -24,7 +26,17 @@ class Policy:
     top_k: int = 0
 
 
-SEED_STRIDE = 1_000  # an episode's calls' seeds are this far apart (room for n choices each)
+SEED_STRIDE = 1_000  # an episode's calls' seeds are this far apart
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's choice `index`: choice 0 samples as a request with n=1 and the
+    same seed; the others get seeds hashed from (seed, index), so that no choice of one seed
+    repeats a choice of another (seed + index would make seed s's choice 1 seed s+1's 0)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 63)
 
 
 @dataclass
@@ -59,6 +71,22 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.driver = None
         self.episodes: dict[str, EpisodeCalls] = {}
+        # parsing, rendering and tokenizing a body take up to seconds: one thread does them,
+        # so the event loop (every other client, streams, /v1/models) never waits on them
+        self.work = ThreadPoolExecutor(1, thread_name_prefix="rollwise-serve-work")
+        self.max_prompt_chars = max_context * longest_token_chars(tokenizer)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the service's work thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt that cannot fit the context whatever its text:
+        no token covers more than the vocabulary's longest entry."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"this model's context is {self.max_context} tokens; the "
+                           f"prompt has {chars} characters, more than any {self.max_context} "
+                           f"tokens can hold", "context_length_exceeded", param)
 
     def open_episode(self, policy: Policy | None = None, seed: int | None = None) -> str:
         token = secrets.token_urlsafe(16)
@@ -70,6 +98,14 @@ class Service:
         ep = self.episodes.pop(token)
         ep.open = False
         return ep
+
+
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token decodes to: the longest vocabulary entry
+    (byte-level and sentencepiece entries spell one byte or character per character)."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    entries = vocab().keys() if callable(vocab) else ()
+    return max(max(map(len, entries), default=0), 1) if entries else 1 << 10
 
 
 @dataclass

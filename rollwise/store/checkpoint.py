@@ -102,13 +102,19 @@ def latest(run_dir: str | Path, log=print) -> Checkpoint | None:
     return None
 
 
-def clean(run_dir: str | Path, after_step: int) -> None:
+def clean(run_dir: str | Path, after_step: int, log=print) -> None:
     """Remove interrupted writes and the checkpoints newer than `after_step` (damaged ones:
-    the resume continues from `after_step`)."""
+    the resume continues from `after_step`), saying which went and why."""
     root = root_of(run_dir)
-    for p in list(root.glob(".tmp-*")) + [c.path for c in listing(run_dir)
-                                           if c.step > after_step]:
+    for p in sorted(root.glob(".tmp-*")):
+        log(f"discarded {p.name}: a checkpoint whose write was interrupted before it was "
+            f"complete (the run continues from step {after_step})")
         shutil.rmtree(p)
+    for c in listing(run_dir):
+        if c.step > after_step:
+            log(f"discarded {c.path.name}: newer than the checkpoint resumed from "
+                f"({problem(c.path) or 'the run resumes from an older one'})")
+            shutil.rmtree(c.path)
     if root.exists():
         fsync_dir(root)
 

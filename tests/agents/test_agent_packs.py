@@ -147,6 +147,14 @@ def test_packs_are_drawn_with_a_rule_and_checked():
         CoDGenerator(load_config(None, [p for p in PACKS if "env" not in p]), tok)
 
 
+def test_the_cli_refuses_a_carrying_controller_for_packs_with_exit_2(tmp_path, capsys):
+    from rollwise.cli import main
+    assert main(["train", f"run.root={tmp_path}", *PACKS, "control.inflight=april"]) == 2
+    err = capsys.readouterr().err
+    assert "set control.inflight=none" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # refused before the run directory or a warm start
+
+
 def test_slope_is_least_squares():
     import numpy as np
     pts = [(0, 0.0), (1, 1.0), (1, 0.0), (2, 1.0), (3, 1.0), (3, 1.0)]

@@ -18,7 +18,7 @@ from rollwise.engine import BuiltinEngine, Request, SamplingParams
 from rollwise.serve.app import build_app
 from rollwise.serve.driver import EngineDriver
 from rollwise.serve.server import BackgroundServer
-from rollwise.serve.service import Service
+from rollwise.serve.service import Service, choice_seed
 from rollwise.tasks.prompts import end_of_turn_id, stop_ids
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."},
@@ -65,7 +65,7 @@ def test_chat_is_the_engine_on_the_templates_prompt_with_each_choice_its_seed(se
     assert r.usage.prompt_tokens == len(ids)
     assert len(r.choices) == 3
     for i, choice in enumerate(r.choices):
-        want = reference(engine, ids, stops, 11 + i, top=2)
+        want = reference(engine, ids, stops, choice_seed(11, i), top=2)
         body = want.token_ids[:-1] if want.finish_reason == "stop" else want.token_ids
         assert choice.message.content == tok.decode(body, skip_special_tokens=True)
         assert choice.finish_reason == ("stop" if want.finish_reason == "stop" else "length")
@@ -74,7 +74,17 @@ def test_chat_is_the_engine_on_the_templates_prompt_with_each_choice_its_seed(se
         assert [[a.token for a in t.top_logprobs] for t in got] == \
             [[tok.decode([a]) for a, _ in top] for top in want.top_logprobs[:len(body)]]
     assert r.usage.completion_tokens == sum(
-        len(reference(engine, ids, stops, 11 + i).token_ids) for i in range(3))
+        len(reference(engine, ids, stops, choice_seed(11, i)).token_ids) for i in range(3))
+    alone = client(server).chat.completions.create(model="chat", messages=MESSAGES, seed=11,
+                                                   max_tokens=24)
+    assert alone.choices[0].message.content == r.choices[0].message.content  # choice 0
+
+
+def test_a_seed_sweep_with_several_choices_never_repeats_a_choice():
+    """seed s's choice i must not be seed s+i's choice 0, as seed + index made it."""
+    seeds = [choice_seed(s, i) for s in range(-50, 200) for i in range(8)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(choice_seed(s, 0) == s for s in range(-5, 5)) and choice_seed(None, 3) is None
 
 
 def test_streaming_returns_what_non_streaming_does(served):
@@ -127,6 +137,15 @@ def test_bad_requests_get_openai_errors_with_4xx(served):
         c.chat.completions.create(model="chat", messages=MESSAGES, temperature=5)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="chat", prompt=[10 ** 9])  # not a token id
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    for choice in ({"type": "function", "function": "lookup"}, {"type": "function"}, "any"):
+        with pytest.raises(openai.BadRequestError) as e:  # a string where an object belongs
+            c.chat.completions.create(model="chat", messages=MESSAGES, tools=tools,
+                                      tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="chat", messages=MESSAGES, tools=["lookup"])
+    assert e.value.body["param"].startswith("tools")
     raw = urllib.request.Request(server.url + "/v1/chat/completions", data=b"{not json",
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -182,6 +201,14 @@ def test_a_non_local_bind_needs_a_key_and_every_request_must_carry_it():
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(raw, timeout=30)
         assert e.value.code == 401
+        for header, status in (("bearer sekrit", 200), ("BEARER  sekrit ", 200),
+                               ("Basic sekrit", 401), ("Bearer", 401), ("sekrit", 401)):
+            raw = urllib.request.Request(url + "/models", headers={"Authorization": header})
+            try:
+                got = urllib.request.urlopen(raw, timeout=30).status
+            except urllib.error.HTTPError as e:
+                got = e.code
+            assert got == status, header  # the scheme is case-insensitive (RFC 9110)
         ok = openai.OpenAI(base_url=url, api_key="sekrit", max_retries=0)
         assert ok.chat.completions.create(model="m", messages=MESSAGES).choices[0] \
             .message.content == "hi"
@@ -247,9 +274,12 @@ def test_rollwise_serve_serves_a_model_folder_and_refuses_an_open_bind_without_a
     import socket
     import subprocess
     import sys
-    refused = subprocess.run([sys.executable, "-m", "rollwise", "serve", "--model", "/nowhere",
-                              "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "--api-key" in refused.stderr  # before any model loads
+    refused = subprocess.run([sys.executable, "-c", (
+        "import sys; from rollwise.cli import main; "
+        "rc = main(['serve', '--model', '/nowhere', '--host', '0.0.0.0']); "
+        "print(rc, 'torch' in sys.modules)")], capture_output=True, text=True, timeout=120)
+    assert refused.stdout.split() == ["2", "False"]  # before torch or any model loads
+    assert "--api-key" in refused.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

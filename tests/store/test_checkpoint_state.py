@@ -67,9 +67,16 @@ def test_a_kill_during_the_write_leaves_the_previous_checkpoint_newest(tmp_path)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signal.SIGKILL
     partial = list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert partial and (partial[0] / "state.pt").stat().st_size > 0
-    assert ckpt.latest(tmp_path).step == 1
-    ckpt.clean(tmp_path, after_step=1)
+    lines = []
+    assert ckpt.latest(tmp_path, lines.append).step == 1
+    (tmp_path / "checkpoints" / "step-000003").mkdir()  # a newer one, damaged
+    ckpt.clean(tmp_path, after_step=1, log=lines.append)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert [c.step for c in ckpt.listing(tmp_path)] == [1]
+    said = "\n".join(lines)  # which were discarded, and why
+    assert "discarded .tmp-step-000002: a checkpoint whose write was interrupted" in said
+    assert "discarded step-000003: newer than the checkpoint resumed from" in said
+    assert "FileNotFoundError" in said
 
 
 def draws(rng: random.Random) -> list:

@@ -155,6 +155,30 @@ def test_a_wrong_gym_setting_stops_the_cli_before_any_work(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # no run directory, no warm start
 
 
+def test_math_verify_is_refused_where_a_gym_reference_is_not_a_plain_number():
+    """countdown's reference is an expression: math-verify scores restating the target as
+    right, where reasoning-gym's own scorer does not; so the pair is refused, naming gym."""
+    from rollwise.gym_settings import Spec, check_reward, specs
+    from rollwise.stages.filter import make_scorer
+    task = load_task(TaskConfig(name="gym:countdown", train_size=4, eval_size=2))
+    p = task.train[0]
+    target = p.data["metadata"]["target"]
+    assert make_scorer("math", task)(f"\\boxed{{{target}}}", p)[0] == 1.0  # why it is refused
+    assert make_scorer("gym", task)(f"\\boxed{{{target}}}", p)[0] < 1.0
+    countdown = specs("gym:countdown", {})
+    for reward in ("math", {"math": 1.0, "format": 0.1}, "math_verify"):
+        with pytest.raises(ConfigError, match="filter.reward=gym") as e:
+            check_reward(countdown, reward)
+        assert "countdown (e.g. '" in str(e.value)
+    check_reward(countdown, "gym")
+    check_reward(specs("gym", {"chain_sum": {}, "products": {}}), "math")  # plain numbers
+    numbers = ["12", "-4", "0.5", "1e3", "3/4", " 7 "]
+    check_reward([Spec("d", 1.0, {}, tuple(numbers))], "math")
+    for form in ("x + 1", "$\\dfrac{1}{2}$", "[1, 2]", "3*4"):
+        with pytest.raises(ConfigError):
+            check_reward([Spec("d", 1.0, {}, ("1", form))], "math")
+
+
 def test_filler_tail_mixes_a_long_thinking_mode_into_the_worked_solutions():
     """filler_tail of the solutions think with ',' (geometric, mean filler_tail_mean), the
     rest with '.'; the answer extractor skips both; no tail leaves the old solutions as they

@@ -16,6 +16,9 @@ runs an isolated verifier with the same timeout as training (HeldOutScorer).
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 from rollwise.config import FilterConfig
 from rollwise.stages.filter.base import Item, Verdict, Verifier
 from rollwise.stages.filter.stage import (
@@ -36,19 +39,38 @@ __all__ = ["Item", "Verdict", "Verifier", "FilterStage", "build_filter", "make_s
 
 
 class HeldOutScorer:
-    """score(response, problem) -> (reward, info) against the true answer, for evaluation. Its
-    verifier runs as in training: an isolated one (a user function, math-verify, code) in a
-    worker process, each sample cut off after filter.timeout_s (a hang is a wrong answer,
-    never a hung run); with filter.workers=0, or a function a worker process cannot import
-    (defined in __main__ or a notebook), in this process with no time limit. close() ends
-    the worker."""
+    """score(response, problem) -> (reward, info) against the true answer, for evaluation, and
+    score_all for a whole evaluation at once. Its verifier runs as in training: an isolated
+    one (a user function, math-verify, code) in filter.workers worker processes, each sample
+    cut off after filter.timeout_s (a hang is a failure, never a hung run); with
+    filter.workers=0, or a function a worker process cannot import (defined in __main__ or a
+    notebook), in this process with no time limit. `start(seconds)` bounds what follows as a
+    whole (one evaluation): past it, samples fail with cause 'deadline' unscored. Failures
+    are counted by cause in `failures`. close() ends the workers."""
 
     def __init__(self, stage: FilterStage):
         self.stage = stage
+        self.deadline: float | None = None
+        self.failures: Counter[str] = Counter()
+
+    def start(self, seconds: float | None) -> None:
+        """What is scored from now on must be scored within `seconds` (None: no bound)."""
+        self.deadline = time.monotonic() + seconds if seconds else None
+
+    def score_all(self, responses: list[str], problems: list[Problem], on_progress=None
+                  ) -> list[tuple[float, str, str | None]]:
+        """(reward, info, failure cause or None) per response; a failed one's reward is 0."""
+        items = [Item(r, p) for r, p in zip(responses, problems)]
+        out = []
+        for verdicts in self.stage.verdicts(items, self.deadline, on_progress):
+            _, reward, info, cause = self.stage.combine(verdicts)
+            if cause:
+                self.failures[cause] += 1
+            out.append((0.0 if cause else reward, info, cause))
+        return out
 
     def __call__(self, response: str, problem: Problem) -> tuple[float, str]:
-        verdicts = self.stage.verdicts([Item(response, problem)])[0]
-        rewards, reward, info, cause = self.stage.combine(verdicts)
+        ((reward, info, cause),) = self.score_all([response], [problem])
         if cause:
             raise RuntimeError(f"scoring failed ({cause}): {info}")
         return reward, info
@@ -66,9 +88,8 @@ def make_scorer(name: str, task: Task, cfg=None) -> HeldOutScorer:
         name = "exact"
     verifier = make_verifier(name, cfg, task)
     verifier.name = name.rsplit(":", 1)[-1] if ":" in name else name
-    workers = min(cfg.workers, 1)  # it scores one response at a time
     return HeldOutScorer(FilterStage([Channel(verifier.name, 1.0, verifier)],
-                                     _extractor(cfg, task), workers, cfg.timeout_s))
+                                     _extractor(cfg, task), cfg.workers, cfg.timeout_s))
 
 
 def eval_scorer(cfg, task: Task) -> HeldOutScorer:

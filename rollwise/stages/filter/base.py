@@ -17,6 +17,18 @@ from rollwise.types import Problem
 
 # why a verifier could not score a sample (metric: filter/failed/<cause>)
 TIMEOUT, CRASH, ERROR, BAD_OUTPUT = "timeout", "crash", "error", "bad_output"
+DEADLINE = "deadline"  # not scored: the whole batch's time (an evaluation's) ran out
+MAX_INFO_CHARS = 2_000  # a verdict's info (a reward's own, or a failure's reason) is cut here
+
+
+def clipped(info: Any) -> str:
+    """`info` as text of at most MAX_INFO_CHARS (and a note of how long it was): a reward's
+    info is kept with every sample, so one verifier's 10 MB info must not be."""
+    text = info if isinstance(info, str) else str(info)
+    if len(text) <= MAX_INFO_CHARS:
+        return text
+    note = f" ... [{len(text)} characters, cut]"
+    return text[:MAX_INFO_CHARS - len(note)] + note
 
 
 @dataclass
@@ -37,7 +49,7 @@ class Verdict:
 
     @classmethod
     def failure(cls, cause: str, info: str) -> "Verdict":
-        return cls({}, info, cause)
+        return cls({}, clipped(info), cause)
 
 
 class Verifier(abc.ABC):
@@ -82,7 +94,7 @@ def coerce(out: Any, channel: str) -> Verdict:
         return Verdict.failure(BAD_OUTPUT, f"{channel}: returned {type(out).__name__} "
                                            f"{str(out)[:80]!r}, expected a number")
     if verdict.failed:
-        return verdict
+        return Verdict.failure(verdict.failed, verdict.info)
     try:
         rewards = {str(k): float(v) for k, v in verdict.rewards.items()}
     except (TypeError, ValueError) as e:
@@ -91,7 +103,7 @@ def coerce(out: Any, channel: str) -> Verdict:
     if bad or channel not in rewards:
         what = f"non-finite {bad}" if bad else f"no {channel!r} channel in {sorted(rewards)}"
         return Verdict.failure(BAD_OUTPUT, f"{channel}: {what}")
-    return Verdict(rewards, str(verdict.info))
+    return Verdict(rewards, clipped(verdict.info))
 
 
 def score_checked(verifier: Verifier, items: list[Item]) -> list[Verdict]:

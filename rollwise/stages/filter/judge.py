@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import re
 
-from rollwise import models
-from rollwise.engine import BuiltinEngine, Request, SamplingParams
 from rollwise.stages.filter.base import Item, Verdict, Verifier
 
 BAD_VERDICT = "bad_verdict"
@@ -61,6 +59,8 @@ class JudgeVerifier(Verifier):
         if not self.model_path:
             raise ValueError("the judge has no model: set filter.judge.model=<HF model folder> "
                              "or attach the policy engine with FilterStage.attach_engine")
+        from rollwise import models  # torch: not in the verifier workers, which never judge
+        from rollwise.engine import BuiltinEngine
         model, tok = models.load_model(self.model_path)
         self.attach(BuiltinEngine(model, copy_model=False), tok)
 
@@ -69,6 +69,7 @@ class JudgeVerifier(Verifier):
                                   response=it.text, flawed=_FLAWED if self.fapo else "")
 
     def score(self, items: list[Item]) -> list[Verdict]:
+        from rollwise.engine import Request, SamplingParams
         self._ensure_engine()
         tok = self.tokenizer
         params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens,

@@ -18,9 +18,19 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from rollwise.stages.filter.base import BAD_OUTPUT, CRASH, ERROR, TIMEOUT, Item, Verdict, coerce
+from rollwise.stages.filter.base import (
+    BAD_OUTPUT,
+    CRASH,
+    DEADLINE,
+    ERROR,
+    TIMEOUT,
+    Item,
+    Verdict,
+    coerce,
+)
 
 STARTUP_TIMEOUT_S = 120.0
+PROGRESS_S = 10.0  # how often a long run of jobs reports its progress
 
 
 def _worker(rx: Connection, tx: Connection) -> None:
@@ -102,22 +112,30 @@ class VerifierPool:
         while len(self.workers) < self.n:
             self.workers.append(self._spawn())
 
-    def run(self, jobs: list[tuple[str, Item]]) -> list[Verdict]:
-        """Verdicts for (verifier name, item) jobs, in order."""
+    def run(self, jobs: list[tuple[str, Item]], deadline: float | None = None,
+            on_progress=None) -> list[Verdict]:
+        """Verdicts for (verifier name, item) jobs, in order. Past `deadline` (a monotonic
+        time), the jobs not scored yet fail with DEADLINE and the busy workers are replaced;
+        on_progress(done, total) at most every PROGRESS_S while it runs."""
         self.start()
         results: list[Verdict | None] = [None] * len(jobs)
         queue = deque((i, name, item) for i, (name, item) in enumerate(jobs))
         chunk = max(1, min(16, len(jobs) // (4 * self.n)))
+        said = time.monotonic()
         while queue or any(w.inflight for w in self.workers):
+            if deadline is not None and time.monotonic() > deadline:
+                self._give_up(results, queue)
+                break
             for w in self.workers:
                 if not w.inflight and queue:
                     w.inflight.extend(queue.popleft() for _ in range(min(chunk, len(queue))))
                     w.send(list(w.inflight))
                     w.deadline = time.monotonic() + self.timeout_s
             busy = [w for w in self.workers if w.inflight]
-            timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = wait([w.conn for w in busy], timeout)  # a dead worker's pipe is readable
-            for w in busy:
+            wake = min([w.deadline for w in busy] + ([deadline] if deadline else []))
+            ready = wait([w.conn for w in busy], max(0.0, min(wake - time.monotonic(),
+                                                              PROGRESS_S)))
+            for w in busy:  # a dead worker's pipe is readable
                 if w.conn in ready:
                     self._receive(w, results, queue)
             for w in list(self.workers):
@@ -126,7 +144,21 @@ class VerifierPool:
                     results[idx] = Verdict.failure(TIMEOUT, f"{name}: no verdict within "
                                                             f"{self.timeout_s:g} s")
                     self._replace(w, queue)
+            if on_progress is not None and time.monotonic() - said >= PROGRESS_S:
+                on_progress(sum(r is not None for r in results), len(jobs))
+                said = time.monotonic()
         return results  # type: ignore[return-value]
+
+    def _give_up(self, results: list, queue: deque) -> None:
+        for w in list(self.workers):
+            if w.inflight:
+                queue.extend(w.inflight)
+                w.inflight.clear()
+                self._replace(w, deque())
+        for idx, name, _ in queue:
+            results[idx] = Verdict.failure(DEADLINE, f"{name}: not scored before the "
+                                                     f"deadline")
+        queue.clear()
 
     def _receive(self, w: _Worker, results: list, queue: deque) -> None:
         try:

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollwise import registry
-from rollwise.stages.filter.base import ERROR, Item, Verdict, Verifier, score_checked
+from rollwise.stages.filter.base import (
+    DEADLINE,
+    ERROR,
+    Item,
+    Verdict,
+    Verifier,
+    clipped,
+    score_checked,
+)
 from rollwise.stages.filter.code_verifier import CodeVerifier
 from rollwise.stages.filter.exact import EnvRewardVerifier, ExactVerifier, TaskScoreVerifier
 from rollwise.stages.filter.fmt import FormatVerifier, LengthVerifier
@@ -131,8 +139,14 @@ class FilterStage:
                             dict(getattr(s, "meta", None) or {})))
         return out
 
-    def verdicts(self, items: list[Item]) -> list[dict[str, Verdict]]:
-        """Per item, each channel's verdict (extraction first, then every verifier)."""
+    def verdicts(self, items: list[Item], deadline: float | None = None,
+                 on_progress=None) -> list[dict[str, Verdict]]:
+        """Per item, each channel's verdict (extraction first, then every verifier). Past
+        `deadline` (a monotonic time), what is not scored yet fails with DEADLINE; a pooled
+        verifier reports on_progress(done, total) while it runs."""
+        if deadline is not None and time.monotonic() > deadline:
+            late = Verdict.failure(DEADLINE, "not scored before the deadline")
+            return [{c.key: late for c in self.channels} for _ in items]
         bad_extract: dict[int, Verdict] = {}
         for i, it in enumerate(items):
             try:
@@ -150,7 +164,7 @@ class FilterStage:
                 per_channel[c.key] = score_checked(c.verifier, items)
         if pooled:
             jobs = [(c.verifier.name, it) for c in pooled for it in items]
-            flat = self.pool.run(jobs)
+            flat = self.pool.run(jobs, deadline, on_progress)
             for k, c in enumerate(pooled):
                 per_channel[c.key] = flat[k * len(items):(k + 1) * len(items)]
         return [{**{c.key: per_channel[c.key][i] for c in self.channels},
@@ -161,8 +175,8 @@ class FilterStage:
         """(channels, weighted reward, info, failure cause or None) of one sample."""
         failed = [(k, v) for k, v in verdicts.items() if v.failed]
         if failed:
-            return {}, 0.0, "; ".join(f"{k} failed ({v.failed}): {v.info}" for k, v in failed), \
-                failed[0][1].failed
+            why = "; ".join(f"{k} failed ({v.failed}): {v.info}" for k, v in failed)
+            return {}, 0.0, clipped(why), failed[0][1].failed
         rewards: dict[str, float] = {}
         for c in self.channels:  # a verifier may add channels; its own is named c.key
             rewards.update(verdicts[c.key].rewards)
@@ -171,7 +185,7 @@ class FilterStage:
             info = verdicts[self.channels[0].key].info
         else:
             info = "; ".join(f"{c.key}: {verdicts[c.key].info}" for c in self.channels)
-        return rewards, reward, info, None
+        return rewards, reward, clipped(info), None
 
     def score(self, samples, problems, texts) -> dict[str, float]:
         t0 = time.perf_counter()

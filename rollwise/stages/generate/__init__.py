@@ -11,6 +11,7 @@ controller's decisions. `generate.strategy` picks one by name (rollwise.registry
 from __future__ import annotations
 
 from rollwise import registry
+from rollwise.config import ConfigError
 from rollwise.stages.control.inflight import RunToEnd, build_inflight
 from rollwise.stages.generate.base import Generator
 from rollwise.stages.generate.group import new_sample
@@ -28,7 +29,7 @@ def check_generator(generator: Generator, task, cfg) -> None:
     controller that pauses them; a task whose samples must be episodes or packs gets a
     generator that produces them (the message lists the registered ones that do)."""
     if generator.runs_to_end and not isinstance(build_inflight(cfg), RunToEnd):
-        raise ValueError(f"generate.strategy={cfg.generate.strategy} runs every sample to its "
+        raise ConfigError(f"generate.strategy={cfg.generate.strategy} runs every sample to its "
                          f"end; control.inflight={cfg.control.inflight} would pause or carry "
                          f"them: set control.inflight=none")
     if task.played_as in ("responses", generator.produces):
@@ -40,7 +41,7 @@ def check_generator(generator: Generator, task, cfg) -> None:
         fix = f"set generate.strategy={fits[0]}{others} and what it needs (generate.env)"
     else:
         fix = "register a generator that produces them"
-    raise ValueError(f"task.name={cfg.task.name} is played as {task.played_as}, which "
+    raise ConfigError(f"task.name={cfg.task.name} is played as {task.played_as}, which "
                      f"generate.strategy={cfg.generate.strategy} does not produce: {fix}")
 
 

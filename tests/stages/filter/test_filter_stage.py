@@ -101,6 +101,25 @@ def test_failures_are_counted_by_cause_and_the_run_goes_on(task):
         stage.close()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_huge_info_or_reason_is_cut_where_it_is_made(task, workers):
+    """A reward's info is kept with every sample: a 10 MB one is cut to MAX_INFO_CHARS (with
+    its length said), in a worker before it crosses the pipe, and in this process."""
+    from rollwise.stages.filter.base import MAX_INFO_CHARS
+    p = task.eval[0]
+    s, probs, texts = samples_for([p], [["huge", "huge-raise", p.answer[::-1]]])
+    stage = build_filter(FilterConfig(reward="filter_userfns:flaky", workers=workers), task)
+    try:
+        stage.score(s, probs, texts)
+    finally:
+        stage.close()
+    assert [x.reward for x in s] == [1.0, 0.0, 1.0]
+    assert all(len(x.reward_info) <= MAX_INFO_CHARS for x in s)
+    assert s[0].reward_info.startswith("iii") and f"{10 << 20} characters, cut" in \
+        s[0].reward_info
+    assert s[1].status == Status.FAILED and "ValueError: eee" in s[1].reward_info
+
+
 def test_in_process_mode_isolates_failures_per_sample(task):
     p = task.eval[0]
     s, probs, texts = samples_for([p], [[p.solution, "raise", "garbage"]])
@@ -333,6 +352,98 @@ def test_a_reward_that_hangs_on_a_held_out_problem_is_cut_off_by_the_timeout(tin
         assert m["eval/pass1"] == 0.0 and time.monotonic() - t0 < 30
     finally:
         scorer.close()
+
+
+class Scripted:
+    """An engine that answers each prompt with answer(prompt text)."""
+
+    def __init__(self, tok, answer):
+        self.tok, self.answer = tok, answer
+
+    def generate(self, requests):
+        return [Completion(r.id, self.tok(self.answer(self.tok.decode(r.prompt_ids)))
+                           ["input_ids"], [], [], [], "stop") for r in requests]
+
+
+def script_for(problems, kinds):
+    """prompt -> 'hang', 'raise' or the right answer, by the problem's place in `kinds`."""
+    by_prompt = {p.prompt: k for p, k in zip(problems, kinds)}
+    right = {p.prompt: p.answer[::-1] for p in problems}
+    return lambda prompt: right[prompt] if by_prompt[prompt] == "right" else by_prompt[prompt]
+
+
+def test_evaluation_counts_and_says_its_failures_and_scores_in_parallel(tiny, capsys):
+    """A reward raising on some problems and hanging on others: each failure is counted by
+    cause (eval/failed), said in a line, and the others score as they should; two workers
+    share the hangs."""
+    from rollwise.evaluate import scoring_bounded
+    task = load_task(TaskConfig(eval_size=12))
+    problems = task.eval
+    kinds = ["right", "raise", "hang", "right", "raise", "right", "hang", "right", "raise",
+             "right", "right", "hang"]
+    scorer = eval_scorer(FilterConfig(reward="filter_userfns:flaky", timeout_s=1.0,
+                                      workers=2), task)
+    tok = tiny[1]
+    lines = []
+    try:
+        m = scoring_bounded(scorer, 120.0, lambda: evaluate(
+            Scripted(tok, script_for(problems, kinds)), Prompter.plain(tok), problems, scorer,
+            8), lines.append)
+        assert len(scorer.stage.pool.workers) == 2
+    finally:
+        scorer.close()
+    assert m["eval/pass1"] == pytest.approx(kinds.count("right") / len(kinds))
+    assert (m["eval/failed"], m["eval/failed/error"], m["eval/failed/timeout"]) == (6, 3, 3)
+    assert lines == ["evaluation: 6 held-out answers could not be scored (error 3, timeout 3); "
+                     "counted as wrong"]
+
+
+def test_a_verifier_worker_starts_without_torch(task):
+    """A worker replaced after a timeout starts in about a second: the verifiers' modules
+    and the records they score need no torch (it took most of a worker's 14-33 s start)."""
+    p = task.eval[0]
+    s, probs, texts = samples_for([p], [["x", "y"]])
+    stage = build_filter(FilterConfig(reward="filter_userfns:torch_imported", workers=1), task)
+    try:
+        stage.score(s, probs, texts)
+    finally:
+        stage.close()
+    assert [x.status for x in s] == [Status.COMPLETED] * 2 and [x.reward for x in s] == [0, 0]
+
+
+def test_an_evaluation_past_its_deadline_fails_what_is_left_unscored(tiny):
+    """Every answer hangs: without a bound the evaluation would take 12 x timeout; past the
+    deadline the rest fail as 'deadline' at once, and a later evaluation scores again."""
+    task = load_task(TaskConfig(eval_size=12))
+    problems = task.eval
+    scorer = eval_scorer(FilterConfig(reward="filter_userfns:flaky", timeout_s=30.0,
+                                      workers=2), task)
+    try:
+        scorer.start(1.0)
+        scored = scorer.score_all(["hang"] * len(problems), problems)
+        causes = Counter(c for _, _, c in scored)
+        assert causes == {"deadline": len(problems)} and all(r == 0 for r, _, _ in scored)
+        assert scorer.failures == causes
+        scorer.start(None)  # the bound is per evaluation
+        assert scorer(problems[0].answer[::-1], problems[0]) == (1.0, "checked")
+        scorer.start(60.0)
+        assert [c for _, _, c in scorer.score_all(["raise", problems[1].answer[::-1]],
+                                                  problems[:2])] == ["error", None]
+    finally:
+        scorer.close()
+
+
+def test_a_scorer_without_counts_still_has_its_exceptions_counted(tiny):
+    def half(text, problem):
+        if problem.id.endswith(("0", "2", "4", "6", "8")):
+            raise ValueError("no")
+        return 1.0, "ok"
+    task = load_task(TaskConfig(eval_size=10))
+    tok = tiny[1]
+    m = evaluate(Scripted(tok, lambda prompt: "x"), Prompter.plain(tok), task.eval, half, 4)
+    failed = sum(p.id.endswith(("0", "2", "4", "6", "8")) for p in task.eval)
+    assert m["eval/failed"] == m["eval/failed/error"] == failed
+    assert m["eval/pass1"] == pytest.approx(1 - failed / len(task.eval))
 
 
 def test_user_code_that_no_timeout_can_stop_is_named():
