@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 from rollwise.config import Config, ConfigError, commented_yaml, defaults_yaml, load_config
-from rollwise.gym_settings import precheck
 
 # Each command imports what it needs when it runs: `rollwise --help` and `rollwise config`
 # start without torch, transformers or Ray.
@@ -40,7 +39,6 @@ def _load(args) -> Config:
 def cmd_train(args) -> int:
     if args.resume is None:
         cfg = _load(args)  # a config error is said before the training stack is imported
-        precheck(cfg)
         from rollwise.loop.run import train
         return _exit_code(train(cfg))
     run = Path(args.resume)
@@ -52,7 +50,6 @@ def cmd_train(args) -> int:
                           f"e.g. runs/default")
     cfg = load_config(run / "config.yaml", args.overrides)
     cfg.run.root, cfg.run.name = str(run.parent), run.name
-    precheck(cfg)
     from rollwise.loop.run import train
     return _exit_code(train(cfg, resume=True))
 

@@ -906,6 +906,14 @@ class Config(Section):
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
+    def _check_gym_task(self):
+        """A gym task's datasets, settings and verifier, against reasoning-gym: here, so a
+        mistake is said before anything imports torch (model.dtype=auto below may)."""
+        from rollwise.gym_settings import precheck
+        precheck(self)
+        return self
+
+    @model_validator(mode="after")
     def _resolve_auto_dtype(self):
         if self.model.dtype == "auto":
             from rollwise.devices import native_bf16  # torch: only when asked for
@@ -938,7 +946,8 @@ def _format_error(err: ValidationError) -> str:
             hint = f" Did you mean '{guess[0]}'?" if guess else ""
             lines.append(f"unknown key '{where}'.{hint} Allowed here: {', '.join(allowed)}")
         elif isinstance(e.get("input"), dict):  # a section-level check names its own keys
-            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}" if where else msg)
         else:
             msg = e["msg"].removeprefix("Value error, ")
             # a check that names its key and value itself is said as it is

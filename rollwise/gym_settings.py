@@ -1,7 +1,7 @@
 """reasoning-gym datasets as the config names them (task.name, task.gym), checked before any
 work: each dataset and setting against reasoning-gym, a few problems generated, and the
-verifier asked to score them. No torch here: `rollwise train` runs these checks before it
-imports the training stack, so a wrong setting is said in a second or two.
+verifier asked to score them. No torch here: config validation runs these checks (Config),
+before anything imports the training stack, so a wrong setting is said in a second or two.
 """
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollwise.config import Config, ConfigError
+from rollwise.config import ConfigError
+
+if TYPE_CHECKING:
+    from rollwise.config import Config
 
 ANSWERS_SEEN = 8  # problems generated per dataset by the checks
 # a reference math-verify can compare safely: a number (an integer, a decimal, a fraction)

@@ -28,7 +28,6 @@ from rollwise.config import Config, ConfigError, dump_config
 from rollwise.devices import resolve_device
 from rollwise.engine.backends import build_engine
 from rollwise.evaluate import scoring_bounded
-from rollwise.gym_settings import precheck
 from rollwise.loop.async_ import Pipeline
 from rollwise.loop.metrics import StepResult, step_metrics
 from rollwise.numerics import reproducibility_note
@@ -118,9 +117,8 @@ def model_source(cfg: Config, task, inputs: Inputs) -> str | None:
 def preflight(cfg: Config, inputs: Inputs):
     """Checks that need more than the config, made before any work (no warm start, no run
     directory touched): the device exists; the model folder (or catalog model) is there; a
-    required chat template is there; a gym task's settings and verifier. The device."""
+    required chat template is there. The device."""
     device = resolve_device(cfg.run.device)
-    precheck(cfg)
     for key, path in (("model.path", cfg.model.path), ("run.init", cfg.run.init)):
         if path and inputs.model is None:
             try:
