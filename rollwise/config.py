@@ -83,7 +83,7 @@ class TaskConfig(Section):
     config class) with an optional weight, e.g. {chain_sum: {weight: 2, max_terms: 3},
     products: {max_digits: 1}}: task.name=gym mixes them in proportion to their weights;
     task.name=gym:<dataset> takes its settings from here. Checked against reasoning-gym when
-    the task loads, before any work (rollwise.tasks.gym)."""
+    the config is validated, before any work (rollwise.gym_settings)."""
     tiers: dict[str, float] = {"add2": 0.35, "sub2": 0.35, "add3": 0.15, "chain": 0.15}
     """Built-in tiers and their share of the train mix (see rollwise.tasks.arith.TIERS)."""
     train_size: int = Field(20000, gt=0)
