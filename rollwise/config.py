@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from rollwise import registry
+from rollwise.errors import ConfigError
 
 Share = Annotated[float, Field(ge=0, le=1)]
 
@@ -919,10 +920,6 @@ class Config(Section):
             from rollwise.devices import native_bf16  # torch: only when asked for
             self.model.dtype = "bfloat16" if native_bf16(self.run.device) else "float32"
         return self
-
-
-class ConfigError(ValueError):
-    """A config problem, phrased for the user."""
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from rollwise.config import ConfigError
+from rollwise.errors import ConfigError
 
 
 def resolve_device(name: str) -> torch.device:

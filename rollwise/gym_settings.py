@@ -11,7 +11,7 @@ import difflib
 import re
 from typing import TYPE_CHECKING, Any
 
-from rollwise.config import ConfigError
+from rollwise.errors import ConfigError
 
 if TYPE_CHECKING:
     from rollwise.config import Config
