@@ -19,7 +19,7 @@ from rollwise.engine import Request, SamplingParams
 from rollwise.serve.app import build_app
 from rollwise.serve.driver import EngineDriver
 from rollwise.serve.server import BackgroundServer
-from rollwise.serve.service import Service
+from rollwise.serve.service import Service, choice_seed
 
 pytestmark = pytest.mark.vllm
 PROMPT = "12+7="
@@ -60,7 +60,8 @@ def test_the_endpoints_serve_vllm_as_the_engine_generates(tmp_path):
     assert "error" not in got, got.get("error")
     ids = tok.encode(PROMPT)
     for i, choice in enumerate(got["whole"].choices):
-        (want,) = engine.generate([Request(ids, SamplingParams(max_new_tokens=12, seed=4 + i,
+        (want,) = engine.generate([Request(ids, SamplingParams(max_new_tokens=12,
+                                                               seed=choice_seed(4, i),
                                                                stop_ids=(tok.eos_token_id,)))])
         body = want.token_ids[:-1] if want.finish_reason == "stop" else want.token_ids
         assert choice.text == tok.decode(body, skip_special_tokens=True)
