@@ -74,22 +74,18 @@ def failure_metrics(failed: Counter) -> dict[str, float]:
             **{f"eval/failed/{k}": float(v) for k, v in sorted(failed.items())}}
 
 
-def scoring_bounded(scorer: Scorer, deadline_s: float | None, play, log=print
-                    ) -> dict[str, float]:
-    """play() -> held-out metrics, its scoring bounded by deadline_s as a whole where the
-    scorer can be (a held-out scorer), and its failures reported: eval/failed in the metrics
-    (from the scorer's count where the strategy's evaluation did not say them) and a line."""
-    start, counts = getattr(scorer, "start", None), getattr(scorer, "failures", None)
-    before = Counter(counts or {})
-    if start is not None:
-        start(deadline_s)
+def scoring_bounded(scorer, deadline_s: float | None, play, log=print) -> dict[str, float]:
+    """play() -> held-out metrics, the held-out scorer's scoring (a HeldOutScorer) bounded by
+    deadline_s as a whole, and its failures reported: eval/failed in the metrics (from the
+    scorer's count where the strategy's evaluation did not say them) and a line."""
+    before = Counter(scorer.failures)
+    scorer.start(deadline_s)
     try:
         out = play()
     finally:
-        if start is not None:
-            start(None)
-    if counts is not None and "eval/failed" not in out:
-        out.update(failure_metrics(counts - before))
+        scorer.start(None)
+    if "eval/failed" not in out:
+        out.update(failure_metrics(scorer.failures - before))
     failed = {k.rsplit("/", 1)[1]: int(v) for k, v in out.items()
               if k.startswith("eval/failed/") and v}
     if failed:
