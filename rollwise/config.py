@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 import textwrap
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -911,7 +912,7 @@ class Config(Section):
         """A gym task's datasets, settings and verifier, against reasoning-gym: here, so a
         mistake is said before anything imports torch (model.dtype=auto below may)."""
         from rollwise.gym_settings import precheck
-        precheck(self)
+        precheck(self.task.name, self.task.gym, self.filter.reward)
         return self
 
     @model_validator(mode="after")
@@ -960,7 +961,26 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {text!r}: empty key part")
-    return parts, yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():
+        return parts, None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:  # not YAML ('{prompt} Answer in \\boxed{}.'): the text itself
+        return parts, raw
+    # a text field keeps its text where YAML would read it as something else ('{prompt}')
+    keep_text = value is not None and not isinstance(value, str) and _takes_text(parts)
+    return parts, raw if keep_text else value
+
+
+def _takes_text(parts: list[str]) -> bool:
+    """Whether the config field at `parts` takes text only (str, or str | None)."""
+    node: Any = Config
+    for part in parts:
+        field = getattr(node, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        node = field.annotation
+    return node is str or set(typing.get_args(node)) == {str, type(None)}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

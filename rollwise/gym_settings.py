@@ -9,12 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollwise.errors import ConfigError
-
-if TYPE_CHECKING:
-    from rollwise.config import Config
 
 ANSWERS_SEEN = 8  # problems generated per dataset by the checks
 # a reference math-verify can compare safely: a number (an integer, a decimal, a fraction)
@@ -22,12 +19,11 @@ PLAIN_NUMBER = re.compile(r"\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?(\s*/\s*\d
 MATH_VERIFIERS = ("math", "math_verify")
 
 
-def precheck(cfg: Config) -> None:
-    """The checks of a gym task's config that need reasoning-gym but not the training stack;
-    nothing for other tasks."""
-    name = cfg.task.name
-    if name == "gym" or name.startswith("gym:"):
-        check_reward(specs(name, cfg.task.gym), cfg.filter.reward)
+def precheck(task_name: str, gym: dict, reward: str | dict[str, float]) -> None:
+    """The checks of a gym task's config (task.name, task.gym, filter.reward) that need
+    reasoning-gym but not the training stack; nothing for other tasks."""
+    if task_name == "gym" or task_name.startswith("gym:"):
+        check_reward(specs(task_name, gym), reward)
 
 
 def check_reward(chosen: list[Spec], reward: str | dict[str, float]) -> None:

@@ -90,23 +90,33 @@ def package(mod: str, known: dict) -> str:
     return ".".join(parts[:2]) if len(parts) > 2 or known[mod].name == "__init__.py" else mod
 
 
+def import_edges(known: dict) -> tuple[dict, dict]:
+    """module -> the modules it imports, and package -> packages (every import, deferred and
+    TYPE_CHECKING ones too)."""
+    edges, pkg_edges = defaultdict(set), defaultdict(set)
+    for mod, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in imported(mod, node, path.name == "__init__.py", known):
+                dep = owner(target, known)
+                if dep and dep != mod:
+                    edges[mod].add(dep)
+                    if package(mod, known) != package(dep, known):
+                        pkg_edges[package(mod, known)].add(package(dep, known))
+    return edges, pkg_edges
+
+
 def main(root: Path) -> None:
     known = modules(root)
-    edges, pkg_edges = defaultdict(set), defaultdict(set)
+    edges, pkg_edges = import_edges(known)
     probes, in_functions, functions, names = 0, 0, [], []
     for mod, path in known.items():
         src = path.read_text()
         tree = ast.parse(src)
         outside_bench = not mod.startswith("rollwise.bench")
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for target in imported(mod, node, path.name == "__init__.py", known):
-                    dep = owner(target, known)
-                    if dep and dep != mod:
-                        edges[mod].add(dep)
-                        if package(mod, known) != package(dep, known):
-                            pkg_edges[package(mod, known)].add(package(dep, known))
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 functions.append((node.end_lineno - node.lineno + 1, f"{mod}:{node.name}"))
                 in_functions += sum(isinstance(x, (ast.Import, ast.ImportFrom))
                                     for x in ast.walk(node))

@@ -98,6 +98,20 @@ def test_overrides_are_typed_and_nested():
     assert cfg.task.tiers == {"add2": 1.0} and cfg.filter.drop_equal_reward_groups is False
 
 
+def test_an_override_that_is_not_yaml_is_its_text():
+    """A prompt template such as '{prompt} Put the answer in \\boxed{}.' is not YAML (and
+    '{prompt}' is a YAML mapping): a text field takes the text as written; null stays null,
+    and a field that is not text still refuses it, naming the key."""
+    template = r"{prompt} Put the final answer in \boxed{}."
+    cfg = load_config(None, [f"task.prompt_template={template}", "run.name=007",
+                             "task.system_prompt=null"])
+    assert cfg.task.prompt_template == template and cfg.run.name == "007"
+    assert cfg.task.system_prompt is None
+    assert load_config(None, ["task.prompt_template={prompt}"]).task.prompt_template == "{prompt}"
+    with pytest.raises(ConfigError, match=r"task.tiers = '\{add2: \[\}'.*dictionary"):
+        load_config(None, ["task.tiers={add2: [}"])
+
+
 @pytest.mark.parametrize("override, expected", [
     ("train.lrr=1", ["unknown key 'train.lrr'", "Did you mean 'lr'", "Allowed here"]),
     ("trian.lr=1", ["unknown key 'trian'", "Did you mean 'train'"]),

@@ -9,6 +9,8 @@ import torch
 from rollwise.bench import gpu
 
 
+# runs every part of the GPU bench on the tiny model (about a minute): integration
+@pytest.mark.integration
 def test_bench_gpu_on_cpu_reports_every_part(capsys):
     argv = ["--json", "--device", "cpu", "--preset", "tiny", "--seqs", "2,4", "--new-tokens",
             "4", "--prompt-len", "6", "--response-len", "8", "--train-groups", "2",

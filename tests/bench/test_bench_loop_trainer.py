@@ -46,6 +46,7 @@ def test_bench_loop_replays_each_step_at_its_own_shape(tiny_config, tmp_path, ca
     assert sum(n for _, n in stored[1]) == out["rows"][0]["tokens"]
 
 
+@pytest.mark.integration
 def test_bench_trainer_arms_report_against_their_dtype_peak(tiny_config, capsys):
     assert trainer.main(["--config", str(tiny_config), "--arms", "fp32+loopopt,bf16+ckpt+mb256",
                          "--repeats", "1", "--threads", "1", "--json"]) == 0

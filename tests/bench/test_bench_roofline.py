@@ -68,6 +68,8 @@ def test_prompts_of_a_config_are_its_task_rendered(tmp_path):
     assert [tok.decode(p) for p in prompts] == [p.prompt for p in task.train[:4]]
 
 
+# the engine bench at RL shape, every backend (about a minute): integration
+@pytest.mark.integration
 def test_bench_engine_rl_shape_same_tokens_and_bounds(capsys):
     argv = ["--json", "--shape", "rl", "--backends", "builtin,hf", "--repeats", "1",
             "--threads", "1"]
