@@ -405,6 +405,31 @@ class ThompsonConfig(Section):
     """Per-update decay of the per-prompt counts toward their prior."""
 
 
+class VadeConfig(Section):
+    """VADE variance-aware selection (control.selector=vade; docs/methods.md#vade)."""
+    fast_decay: float = Field(0.8, gt=0, le=1)
+    """Per-step decay of a prompt's evidence (its recent groups: follows a moving policy)."""
+    slow_decay: float = Field(0.98, gt=0, le=1)
+    """Per-step decay of its long-run success rate, the prior a rarely drawn prompt falls
+    back to."""
+    prior_strength: float = Field(4.0, ge=0)
+    """Pseudo-counts the long-run rate carries as the prompt's prior (at most)."""
+    prior: list[Annotated[float, Field(gt=0)]] = Field([1.0, 1.0], min_length=2, max_length=2)
+    """Beta prior [a, b] of every prompt's success rate."""
+
+
+class InsightConfig(Section):
+    """InSight weighted mutual-information selection (control.selector=insight;
+    docs/methods.md#insight)."""
+    k: int | None = Field(None, ge=1)
+    """Rollouts the score looks ahead to (the mutual information of the next k outcomes);
+    None: generate.group_size."""
+    decay: float = Field(1.0, ge=0, le=1)
+    """Per-observation decay of a prompt's counts toward the prior (as control.thompson)."""
+    prior: list[Annotated[float, Field(gt=0)]] = Field([1.0, 1.0], min_length=2, max_length=2)
+    """Beta prior [a, b] of every prompt's success rate."""
+
+
 class AprilConfig(Section):
     """APRIL partial rollouts (control.inflight=april; docs/methods.md#april)."""
     over_provision: float = Field(2.0, ge=1)
@@ -435,6 +460,19 @@ class DARSConfig(Section):
     max: int | None = Field(None, ge=1)
     """Most samples a group may reach; None: 4 x (et) or 8 x (hw) generate.group_size, the
     paper's 32 and 64 at group_size 8."""
+
+
+class XRPOConfig(Section):
+    """XRPO's rollout allocator (control.group_size=xrpo; docs/methods.md#xrpo)."""
+    base: int = Field(4, ge=2)
+    """Rollouts every selected prompt gets first; the rest of the step's budget
+    (generate.group_size - base per prompt) goes by priority."""
+    max: int | None = Field(None, ge=2)
+    """Most rollouts one prompt may hold; None: 2 x generate.group_size."""
+    alpha: float = Field(0.05, gt=0, lt=1)
+    """The t-interval's level is 1 - alpha."""
+    bonus: float = Field(0.1, ge=0)
+    """lambda of the exploration bonus lambda sqrt(log(1 + T) / n)."""
 
 
 class ArrolConfig(Section):
@@ -515,11 +553,14 @@ _CONTROL_MOVED = {
 class ControlConfig(Section):
     selector: ControlSelectorName = "uniform"
     """uniform; thompson (MoPPS Beta-Bernoulli, control.thompson.*); dps (Dynamics-Predictive
-    Sampling, control.dps.*); or 'package.module:factory' called as factory(cfg)
-    (rollwise.stages.control)."""
+    Sampling, control.dps.*); vade (variance-aware Thompson sampling with a two-scale decay,
+    control.vade.*); insight (weighted mutual information, control.insight.*); or
+    'package.module:factory' called as factory(cfg) (rollwise.stages.control)."""
     prompts_per_step: int = Field(64, gt=0)
     dps: DPSConfig = DPSConfig()
     thompson: ThompsonConfig = ThompsonConfig()
+    vade: VadeConfig = VadeConfig()
+    insight: InsightConfig = InsightConfig()
     inflight: ControlInflightName = "none"
     """In-flight control over any generator. none: every request runs to its end; april:
     partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
@@ -546,9 +587,13 @@ class ControlConfig(Section):
     sgpo (a profiling pass gives each prompt's success rate p; G = 1/p clipped to
     [group_min, group_max]; solved prompts dropped, unsolvable ones subsampled; control.sgpo.*);
     dars (after the first generate.group_size samples, hard prompts get extra ones on DARS's
-    schedule; control.dars.*); or 'package.module:factory' called as factory(cfg)."""
+    schedule; control.dars.*); xrpo (control.xrpo.base samples each, then the rest of the
+    step's samples one at a time to the prompts whose mean reward one more sample would pin
+    down most, plus a bonus for the less sampled; control.xrpo.*); or 'package.module:factory'
+    called as factory(cfg)."""
     sgpo: SGPOConfig = SGPOConfig()
     dars: DARSConfig = DARSConfig()
+    xrpo: XRPOConfig = XRPOConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -641,6 +686,15 @@ class LoraConfig(Section):
     v_proj for Llama and Qwen2)."""
 
 
+class SharpenConfig(Section):
+    """XRPO's novelty-aware advantage sharpening (train.advantage=xrpo; docs/methods.md#xrpo)."""
+    scale: float = Field(1.0, ge=0)
+    """lambda: a correct response's bonus is lambda (1 - eta), eta = exp(s - mean_group s), s
+    its mean token log-probability."""
+    cap: float = Field(0.5, ge=0)
+    """kappa: the bonus is at most kappa times the response's own advantage."""
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
     world_size: int = Field(1, ge=1)
@@ -651,7 +705,9 @@ class TrainConfig(Section):
     reinforce_pp_baseline, mc_grpo, gdpo, cod (Connect-the-Dots: rewards-to-go in sample meta,
     per-slot baselines, RED), trace (TRACE: each reward less its anchor's mean), trace_tree
     (TRACE with per-turn credit: each turn's value after less its baseline before, from the
-    whole tree), or 'package.module:function'."""
+    whole tree), xrpo (GRPO with XRPO's novelty-aware sharpening, train.sharpen.*), or
+    'package.module:function'."""
+    sharpen: SharpenConfig = SharpenConfig()
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
     advantage_clip: float | None = Field(None, gt=0)

@@ -29,7 +29,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
         ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"), ("trace", "trace"),
-        ("trace_tree", "trace_tree"))},
+        ("trace_tree", "trace_tree"), ("xrpo", "xrpo"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
     "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
                       "echo": "rollwise.training.confidence:echo_shaping"},
@@ -50,7 +50,9 @@ BUILTIN: dict[str, dict[str, str]] = {
     # factory(cfg) -> Selector
     "selector": {"uniform": "rollwise.stages.control.select_uniform:UniformSelector.build",
                  "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",
-                 "dps": "rollwise.stages.control.select_dps:DPSSelector.build"},
+                 "dps": "rollwise.stages.control.select_dps:DPSSelector.build",
+                 "vade": "rollwise.stages.control.select_vade:VadeSelector.build",
+                 "insight": "rollwise.stages.control.select_insight:InsightSelector.build"},
     # factory(cfg, tokenizer) -> Generator
     "generator": {"group": "rollwise.stages.generate.group:GroupGenerator",
                   "latr": "rollwise.stages.generate.latr:LatrGenerator",
@@ -74,7 +76,8 @@ BUILTIN: dict[str, dict[str, str]] = {
     # factory(cfg) -> GroupSizer
     "group_size": {"fixed": "rollwise.stages.control.group_size:FixedSize",
                    "sgpo": "rollwise.stages.control.alloc_sgpo:SGPO",
-                   "dars": "rollwise.stages.control.alloc_dars:DARS"},
+                   "dars": "rollwise.stages.control.alloc_dars:DARS",
+                   "xrpo": "rollwise.stages.control.alloc_xrpo:XRPO"},
     # factory(cfg) -> Replay
     "replay": {"none": "rollwise.stages.replay.buffer:NoReplay",
                "buffer": "rollwise.stages.replay.buffer:BufferReplay"},

@@ -1,6 +1,6 @@
-"""The Python entry point (rollwise.train) and the README's example, run as written."""
+"""The Python entry point (rollwise.train). The README's example runs as written in
+tests/test_doc_examples.py, with every other code block of the documents."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,6 @@ from rollwise.stages.filter.base import Item
 from rollwise.stages.filter.python_fn import CallableVerifier
 from rollwise.types import Problem
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)[::-1], "tier": "ab"[a % 2]}
         for a in range(10, 30) for b in range(10, 20)]
 QUICK = {"train": {"steps": 2}, "control": {"prompts_per_step": 4},
@@ -90,21 +89,3 @@ def test_a_datasets_dataset_is_a_dataset(tmp_path, small_model):
                              run={"root": str(tmp_path), "log": "quiet", "report": False},
                              **QUICK)
     assert summary["rollouts"] == 2 * 4 * 2
-
-
-def readme_python_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Python\n.*?```python\n(.*?)```", text, re.S)
-    assert block, "README.md has no '## Python' section with a python block"
-    return block.group(1)
-
-
-@pytest.mark.integration
-def test_the_readme_python_example_runs(tmp_path, monkeypatch, capsys):
-    code = readme_python_example()
-    assert len(code.strip().splitlines()) < 15
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    summary = next(tmp_path.glob("runs/*/summary.json"))
-    assert summary.exists()
-    assert "->" in capsys.readouterr().out

@@ -26,6 +26,10 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | echo_ttrl | ECHO trees, shaping, adaptive clip, majority | ttrl | echo_ttrl_pass1_delta |
 | dynamic | DAPO dynamic sampling on a recurring pool (--pool) | - | - |
 | dps | DPS prompt selection on the same pool | dynamic | dps_rollouts_ratio |
+| xrpo | XRPO's allocator and advantage sharpening | grpo | xrpo_tokens_to_target_ratio |
+| pool | uniform prompts (GRPO) on a recurring pool (--pool) | - | - |
+| vade | VADE selection on the same pool | pool | vade_tokens_to_target_ratio |
+| insight | InSight selection on the same pool | pool | insight_tokens_to_target_ratio |
 
 The two TTRL arms train on the majority vote alone (the config's ground-truth verifier rides
 along at weight 0, so held-out pass@1 is scored as in the other arms) and report sampled
@@ -90,10 +94,14 @@ ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
                            "train.adaptive_clip=echo"] + TTRL, ["echo"]),
     "dynamic": (None, ["control.dynamic_sampling=true"], []),
     "dps": ("dynamic", ["control.selector=dps"], []),
+    "xrpo": ("grpo", ["control.group_size=xrpo", "train.advantage=xrpo"], []),
+    "pool": (None, ["control.selector=uniform"], []),
+    "vade": ("pool", ["control.selector=vade"], []),
+    "insight": ("pool", ["control.selector=insight"], []),
 }
 BUDGET_SHARE = {"duet50": 0.5}
 TTRL_ARMS = {"ttrl", "echo_ttrl"}
-POOLED = {"dynamic", "dps"}  # arms on a recurring prompt pool (--pool)
+POOLED = {"dynamic", "dps", "pool", "vade", "insight"}  # on a recurring prompt pool (--pool)
 
 
 def with_baselines(arms: list[str]) -> list[str]:
@@ -294,14 +302,19 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
             "sgpo_compute_ratio": ratio("sgpo", "tokens_to_target"),
             "dars_compute_ratio": ratio("dars", "tokens_to_target"),
             "april_seconds_ratio": ratio("april", "seconds_to_target"),
-            "dps_rollouts_ratio": ratio("dps", "rollouts_to_target")}
+            "dps_rollouts_ratio": ratio("dps", "rollouts_to_target"),
+            "xrpo_tokens_to_target_ratio": ratio("xrpo", "tokens_to_target"),
+            "vade_tokens_to_target_ratio": ratio("vade", "tokens_to_target"),
+            "insight_tokens_to_target_ratio": ratio("insight", "tokens_to_target")}
     out.update({k: v for k, v in keys.items() if v is not None})
     return out
 
 
 HEADLINE = ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_pass1_delta",
             "echo_label_acc_delta", "arrol_speedup", "duet50_pass1_delta", "sgpo_compute_ratio",
-            "dars_compute_ratio", "april_seconds_ratio", "dps_rollouts_ratio")
+            "dars_compute_ratio", "april_seconds_ratio", "dps_rollouts_ratio",
+            "xrpo_tokens_to_target_ratio", "vade_tokens_to_target_ratio",
+            "insight_tokens_to_target_ratio")
 
 
 def arm_list(text: str) -> list[str]:
@@ -335,6 +348,9 @@ DIAGNOSTICS = {
     "dars": ("group_size", "group_size_max", "mixed_share"),
     "april": ("stale_share", "gen_seconds", "mixed_share", "rollouts"),
     "dps": ("rollouts_to_target", "mixed_share"),
+    "xrpo": ("group_size", "group_size_max", "mixed_share"),
+    "vade": ("mixed_share", "rollouts"),
+    "insight": ("mixed_share", "rollouts"),
 }
 
 

@@ -32,6 +32,8 @@ class AdvantageInputs:
     tokens: torch.Tensor | None = None  # (N,) trained tokens per sample (CoD's RED weights)
     partial_channels: dict[str, str] = field(default_factory=dict)  # channel -> a sample
     # that lacks it (GDPO needs every channel on every sample)
+    logprob_means: torch.Tensor | None = None  # (N,) mean behaviour log p of trained tokens
+    sharpen: tuple[float, float] = (1.0, 0.5)  # XRPO's (lambda, kappa): train.sharpen
 
 
 @dataclass
@@ -173,6 +175,23 @@ def reinforce_pp_baseline(x: AdvantageInputs, eps: float = 1e-6) -> AdvantageOut
     r = x.rewards.float()
     mean, _ = group_stats(r, x.group_index)
     return _out(whiten(r - mean, eps))
+
+
+def xrpo(x: AdvantageInputs) -> AdvantageOutput:
+    """GRPO with XRPO's novelty-aware sharpening (Bamba et al. 2025; docs/methods.md#xrpo): a
+    response with a positive advantage whose sequence likelihood is low for its group gets
+    more, A + min(max(lambda (1 - eta), 0), kappa A), eta = exp(s - mean_group s), s its mean
+    token log-probability under the policy that sampled it. Responses at or below their
+    group's mean reward keep A, so a bonus never goes to a wrong answer, and is at most kappa A."""
+    if x.logprob_means is None:
+        raise ValueError("train.advantage = xrpo needs each sample's log-probabilities")
+    base = grpo(x).advantages
+    s = x.logprob_means.float()
+    mean_s, _ = group_stats(s, x.group_index)
+    lam, kappa = x.sharpen
+    bonus = torch.minimum((lam * (1 - torch.exp(s - mean_s))).clamp(min=0), kappa * base)
+    bonus = torch.where(base > 0, bonus, torch.zeros_like(base))
+    return _out(base + bonus, sharpened=(bonus > 0).sum(), bonus_max=bonus.max())
 
 
 def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:

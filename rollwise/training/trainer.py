@@ -147,6 +147,12 @@ class Prepared:
                 "mask": cut(self.mask), "adv": cut(self.token_adv), "ref": cut(self.ref)}
 
 
+def _logprob_mean(sample: Sample) -> float:
+    """The mean behaviour log-probability of a sample's trained tokens (0 with none)."""
+    values = [lp for lp, m in zip(sample.logprobs, sample.loss_mask) if m]
+    return sum(values) / len(values) if values else 0.0
+
+
 class Trainer:
     def __init__(self, model, cfg: TrainConfig, *, pad_id: int, seed: int = 0):
         if cfg.lora.rank:
@@ -203,7 +209,9 @@ class Trainer:
                 channels[name] = torch.tensor([s.rewards[name] for s in samples])
         tokens = torch.tensor([float(sum(s.loss_mask)) for s in samples])
         return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights),
-                               [s.meta for s in samples], tokens, partial)
+                               [s.meta for s in samples], tokens, partial,
+                               torch.tensor([_logprob_mean(s) for s in samples]),
+                               (self.cfg.sharpen.scale, self.cfg.sharpen.cap))
 
     def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
         """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""

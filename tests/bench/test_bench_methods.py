@@ -160,6 +160,7 @@ def test_duet_takes_the_paper_marker_when_the_model_writes_it_and_arrol_a_length
 def test_baselines_are_added_before_the_arms_that_need_them():
     assert methods.with_baselines(["latr", "echo_ttrl", "dps", "grpo"]) == [
         "grpo", "latr", "ttrl", "echo_ttrl", "dynamic", "dps"]
+    assert methods.with_baselines(["vade", "insight"]) == ["pool", "vade", "insight"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown arm"):
         methods.arm_list("latr,bogus")
 
@@ -181,6 +182,8 @@ def test_summary_keys_come_from_the_runs():
     runs += [run("duet50", s, 900, f) for s, f in ((0, 0.4), (1, 0.8), (2, 0.7))]
     runs += [run("dynamic", 0, 1, 0.5, rollouts_to_target=400),
              run("dps", 0, 1, 0.5, rollouts_to_target=100)]
+    runs += [run("pool", s, t, 0.5) for s, t in ((0, 1000), (1, 1200), (2, 800))]
+    runs += [run("vade", s, t, 0.5) for s, t in ((0, 500), (1, 900), (2, 600))]
     out = methods.summarize(runs, [0, 1, 2])
     assert out["latr_tokens_to_target_ratio"] == 400 / 700
     assert out["latr_mixed_share_ratio"] == pytest.approx(0.3 / 0.3)
@@ -188,6 +191,8 @@ def test_summary_keys_come_from_the_runs():
     assert out["medians"]["arrol"]["head_auc_mean"] == pytest.approx(0.7)
     assert out["duet50_pass1_delta"] == pytest.approx((-0.1 + 0.2 + 0.0) / 3)
     assert out["dps_rollouts_ratio"] == 0.25
+    assert out["vade_tokens_to_target_ratio"] == 600 / 1000
+    assert "insight_tokens_to_target_ratio" not in out
     assert "sgpo_compute_ratio" not in out and "echo_ttrl_pass1_delta" not in out
 
 

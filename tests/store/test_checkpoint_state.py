@@ -120,6 +120,9 @@ def test_trainer_state_restores_the_next_update_exactly(tiny):
                 "train.correction.snapshots=2", "train.kl_coef=0.01"]),
     ("inflight", ["control.inflight=april", "control.selector=thompson",
                   "generate.max_new_tokens=12"]),
+    # the posterior selectors on a pool small enough that prompts recur
+    ("selector", ["control.selector=vade", "task.train_size=24"]),
+    ("selector", ["control.selector=insight", "task.train_size=24"]),
     # an engine in a child process: its seed stream is saved through the engine's state API
     ("engine", ["sync.transport=process"]),
 ])

@@ -158,3 +158,33 @@ def test_token_shaping_hook_resolves_dotted_paths():
     fn = get_token_shaping("torch:neg")  # any importable callable with the signature works
     assert fn(torch.ones(2, 3)).sum() == -6
     assert torch.equal(get_token_shaping("none")(torch.ones(2, 3), None), torch.ones(2, 3))
+
+
+# ---- XRPO's novelty-aware sharpening -----------------------------------------------------
+
+LOGPROB_MEANS = [-0.2, -1.5, -0.3, -0.9, -0.1,  # group 0: correct at 0, 3, 4
+                 -0.4, -2.0, -1.0,
+                 -0.5, -3.0, -0.1, -0.2]
+
+
+def test_xrpo_sharpening_against_a_naive_loop_bounded_and_zero_for_wrong_answers():
+    lam, kappa = 1.5, 0.4
+    out = get_advantage("xrpo")(_inputs(logprob_means=torch.tensor(LOGPROB_MEANS),
+                                        sharpen=(lam, kappa))).advantages.tolist()
+    base = get_advantage("grpo")(_inputs()).advantages.tolist()
+    for members in _by_group(REWARDS, GROUPS).values():
+        s_mean = statistics.fmean(LOGPROB_MEANS[i] for i in members)
+        for i in members:
+            a = base[i]
+            bonus = min(max(lam * (1 - math.exp(LOGPROB_MEANS[i] - s_mean)), 0), kappa * a) \
+                if a > 0 else 0.0
+            assert out[i] == pytest.approx(a + bonus, abs=1e-6)
+            assert a <= out[i] + 1e-7 <= (1 + kappa) * max(a, 0) + 1e-6 if a > 0 else out[i] == a
+    # the rare correct answer (-0.9 in group 0) gains; the likely one (-0.1) does not
+    assert out[3] > base[3] and out[4] == pytest.approx(base[4])
+    assert out[8:] == [0.0] * 4  # a group with equal rewards stays at zero
+
+
+def test_xrpo_needs_log_probabilities():
+    with pytest.raises(ValueError, match="log-probabilities"):
+        get_advantage("xrpo")(_inputs())

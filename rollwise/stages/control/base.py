@@ -19,6 +19,10 @@ class Selector(abc.ABC):
     def observe(self, outcomes: dict[str, tuple[int, int]], step: int) -> None:
         """outcomes: prompt id -> (successes, trials) of its group at this step."""
 
+    def metrics(self) -> dict[str, float]:
+        """What the last selection decided, for the step's metrics (control/<name>/...)."""
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 

@@ -35,6 +35,10 @@ class GroupSizer(abc.ABC):
         """Samples to add to each scored group before training (0: none)."""
         return [0] * len(groups)
 
+    def metrics(self) -> dict[str, float]:
+        """What the last allocation decided, for the step's metrics (control/<name>/...)."""
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 

@@ -97,8 +97,9 @@ class Control:
         return self.sizer.pool(pool, lambda problems, k: self._profile(problems, k, ledger))
 
     def metrics(self) -> dict[str, float]:
-        """The in-flight controller's own numbers for this step (ARRoL's head AUC)."""
-        return self.inflight.metrics()
+        """The selector's, the group sizer's and the in-flight controller's own numbers for
+        this step (what VADE's draws picked, XRPO's group sizes, ARRoL's head AUC)."""
+        return {**self.selector.metrics(), **self.sizer.metrics(), **self.inflight.metrics()}
 
     def _profile(self, problems: list[Problem], k: int, ledger: Ledger
                  ) -> dict[str, tuple[int, int]]:

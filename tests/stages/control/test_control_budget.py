@@ -31,7 +31,7 @@ from rollwise.types import Group, Problem, Sample, Status
 
 # ---- groups of unequal size --------------------------------------------------------------
 
-GROUP_LOCAL = ["grpo", "dr_grpo", "rloo", "mc_grpo"]  # a group's advantages depend on it alone
+GROUP_LOCAL = ["grpo", "dr_grpo", "rloo", "mc_grpo", "xrpo"]  # a group's advantages: its own
 BATCH_LEVEL = ["reinforce_pp", "reinforce_pp_baseline", "gdpo"]  # whitened over the batch
 # baselines keyed by sample meta (CoD: pack, episode type, index, RED over the batch; TRACE:
 # the prefix continued, or the tree's node values): groups of repeats, not prompt groups
@@ -51,11 +51,14 @@ def test_unequal_groups_get_the_advantages_of_each_group_computed_alone(name):
     rewards = [[float(rng.random() < 0.4) for _ in range(n)] for n in sizes]
     rewards[1][0] = 0.5  # a non-binary reward too
     gi = torch.tensor([g for g, n in enumerate(sizes) for _ in range(n)])
-    together = get_advantage(name)(AdvantageInputs(torch.tensor(sum(rewards, [])), gi))
+    logp = torch.tensor([-rng.random() * 2 for _ in range(len(gi))])  # XRPO's likelihoods
+    together = get_advantage(name)(AdvantageInputs(torch.tensor(sum(rewards, [])), gi,
+                                                   logprob_means=logp))
     at = 0
     for r in rewards:
-        alone = get_advantage(name)(AdvantageInputs(torch.tensor(r), torch.zeros(len(r),
-                                                                                 dtype=torch.long)))
+        alone = get_advantage(name)(AdvantageInputs(
+            torch.tensor(r), torch.zeros(len(r), dtype=torch.long),
+            logprob_means=logp[at:at + len(r)]))
         assert torch.allclose(together.advantages[at:at + len(r)], alone.advantages, atol=1e-6)
         assert torch.equal(together.keep[at:at + len(r)], alone.keep)
         at += len(r)
