@@ -4,9 +4,12 @@ tests/<part>/ holds the tests of rollwise/<part>/ (tests/stages/filter/ those of
 rollwise/stages/filter/, ...); tests/ itself the tests of top-level modules, and the helpers the
 test modules share (*_helpers.py, engine_contract.py, extension_plugin.py, ...), which no test
 module imports from another. Tests that run whole training loops are marked `integration`:
-`python3 -m pytest -q --unit` leaves them out (the unit suite, a few minutes on 2 cores);
+`python3 -m pytest -q --unit` leaves them out (the unit suite, within 3 minutes on 2 cores) and
+runs in one process per core, each test file in one of them, unless -n is given;
 `python3 -m pytest -q` runs both, as CI does (in two processes: `-n 2 --dist loadfile`).
 """
+
+import os
 
 import pytest
 import torch
@@ -20,6 +23,17 @@ torch.set_num_threads(1)  # the suite shares a 2-core machine; keep numbers dete
 def pytest_addoption(parser):
     parser.addoption("--unit", action="store_true",
                      help="the unit suite: leave out tests marked integration (whole loops)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """--unit is the quick check while editing: it takes every core (pytest-xdist) unless the
+    command says how many processes (-n) or leaves xdist out (-p no:xdist)."""
+    cores = os.cpu_count() or 1
+    worker = "PYTEST_XDIST_WORKER" in os.environ  # a worker runs what its controller gives it
+    if config.getoption("--unit") and getattr(config.option, "numprocesses", 0) is None \
+            and cores > 1 and not worker:
+        config.option.numprocesses, config.option.dist = cores, "loadfile"
 
 
 def pytest_collection_modifyitems(config, items):

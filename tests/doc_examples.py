@@ -118,7 +118,11 @@ def check_statically(block: Block) -> list[str]:
             return [f"does not compile: {e}"]
         return []
     problems = []
-    for argv in commands(block.code):
+    try:
+        argvs = commands(block.code)
+    except ValueError as e:  # what bash would refuse too (an unclosed quote)
+        return [f"not a valid shell command line: {e}"]
+    for argv in argvs:
         args = rollwise_args(argv)
         if args is not None:
             problems += check_rollwise(args)

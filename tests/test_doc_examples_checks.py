@@ -34,6 +34,7 @@ def test_valid_commands_pass(code):
     ("rollwise trian", "does not parse"),
     ("rollwise train --config configs/nosuch.yaml", "no such file"),
     ("bash scripts/nosuch.sh", "scripts/nosuch.sh: no such file"),
+    ("rollwise train --init <the model's folder>", "not a valid shell command line"),
     ("x=1 && time rollwise train --config configs/smollm2.yaml train.lora.rnk=4",
      "unknown config key"),
 ])

@@ -39,8 +39,10 @@ def reference(model, **kw):
     return ReferenceEngine(model, segment=SEGMENT, **kw)
 
 
+# compiling takes a minute, and a child process starts an interpreter per test: both with the
+# integration tests (tests/engine/test_sync_process.py checks the child engine in the unit suite)
 ENGINES = [builtin, graph_eager, pytest.param(graph_compiled, marks=pytest.mark.integration),
-           child_process, reference]  # compiling takes a minute: with the integration tests
+           pytest.param(child_process, marks=pytest.mark.integration), reference]
 
 
 @pytest.fixture(scope="module")

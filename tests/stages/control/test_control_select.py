@@ -14,7 +14,9 @@ from rollwise.stages.control.select_dps import (
     column_normalize,
     observed_state,
 )
+from rollwise.stages.control.select_insight import InsightSelector
 from rollwise.stages.control.select_thompson import ThompsonSelector
+from rollwise.stages.control.select_vade import VadeSelector
 from rollwise.types import Problem
 
 
@@ -104,7 +106,8 @@ def test_thompson_prefers_prompts_near_the_target():
     assert ts.counts["p0"] == [21, 21]
 
 
-@pytest.mark.parametrize("make", [lambda: DPSSelector(decay=0.9), ThompsonSelector])
+@pytest.mark.parametrize("make", [lambda: DPSSelector(decay=0.9), ThompsonSelector,
+                                  VadeSelector, lambda: InsightSelector(k=4, decay=0.9)])
 def test_state_round_trips_and_continues_identically(make):
     rng = random.Random(3)
     a = make()
