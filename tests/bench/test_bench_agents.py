@@ -4,11 +4,14 @@ the issue names, computed from the runs' own metrics."""
 import json
 import math
 
+import pytest
 from loop_helpers import SMALL
 
 from rollwise.bench import agents
 
 
+# runs the agents bench on the tiny model: integration
+@pytest.mark.integration
 def test_bench_agents_reports_its_keys(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(agents, "TOOL_STEPS", 2)
     monkeypatch.setattr(agents, "COD_STEPS", 2)

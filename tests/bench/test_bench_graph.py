@@ -11,6 +11,8 @@ from rollwise.bench import attention, graph
 from rollwise.config import ModelConfig
 
 
+# times every attention candidate: integration
+@pytest.mark.integration
 def test_attention_candidates_agree_and_are_timed(capsys):
     assert attention.main(["--json", "--batch", "4", "--keys", "16,32", "--heads", "4",
                            "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32"]) == 0

@@ -83,7 +83,7 @@ def _maybe_fail(part, arm, seed):
     return {"part": part, "arm": arm, "seed": seed}
 
 
-@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("n_jobs", [1, pytest.param(2, marks=pytest.mark.integration)])
 def test_a_failing_run_is_reported_and_loses_no_other_run(tmp_path, n_jobs):
     jobs = [("latr", arm, 0) for arm in ("iid", "bad", "latr")]
     runs, failed = execute(_maybe_fail, jobs, n_jobs, tmp_path / "runs.jsonl",
