@@ -26,6 +26,7 @@ import functools
 import math
 import statistics
 
+from rollwise.errors import ConfigError
 from rollwise.stages.control.group_size import GroupSizer
 
 
@@ -90,6 +91,10 @@ class XRPO(GroupSizer):
         c = cfg.control.xrpo
         self.n, self.base = cfg.generate.group_size, c.base
         self.n_max = c.max or 2 * self.n
+        if not self.base <= self.n <= self.n_max:
+            raise ConfigError(f"control.xrpo needs base <= generate.group_size <= max, got "
+                              f"{self.base}, {self.n}, {self.n_max}: each prompt's share of the "
+                              "step's budget is group_size")
         self.alpha, self.lam = c.alpha, c.bonus
         self.last: dict[str, float] = {}
 

@@ -76,3 +76,11 @@ def test_the_sizer_spends_the_steps_budget_and_says_what_it_did():
     extra = sizer.extra(groups)
     assert sum(extra) == 12 and extra[0] == max(extra)
     assert sizer.metrics()["control/xrpo/group_max"] == 4 + max(extra)
+
+
+def test_a_base_above_the_group_size_is_refused_by_name():
+    from rollwise.errors import ConfigError
+    cfg = load_config(None, ["control.group_size=xrpo", "generate.group_size=4",
+                             "control.xrpo.base=6"])
+    with pytest.raises(ConfigError, match="base <= generate.group_size"):
+        XRPO(cfg)
