@@ -78,6 +78,7 @@ def cmd_eval(args) -> int:
     from rollwise import models
     from rollwise.engine import BuiltinEngine
     from rollwise.evaluate import scoring_bounded, vote
+    from rollwise.search import search_vote
     from rollwise.stages.filter import eval_scorer
     from rollwise.stages.generate import build_generator
     from rollwise.tasks import load_task
@@ -93,6 +94,11 @@ def cmd_eval(args) -> int:
     prompter = Prompter.for_task(cfg.task, tok, task, model)
     engine = BuiltinEngine(model, copy_model=False)
     def play() -> dict[str, float]:
+        if args.search is not None:
+            search = cfg.run.search.model_copy(update={"allocation": args.search})
+            return search_vote(engine, prompter, task.eval, scorer, task.extract_answer,
+                               cfg.generate.max_new_tokens, cfg.run.eval_samples,
+                               cfg.run.eval_temperature, search)
         if args.vote is None:  # played as the run's generation strategy plays its samples
             return build_generator(cfg, tok).evaluate(engine, prompter, task.eval, cfg, scorer)
         weigh = None if args.vote == "majority" else quality_head(cfg, model_dir, model)
@@ -267,9 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("eval", help="held-out greedy pass@1 of a model folder")
     p.add_argument("--model", required=True, help="model folder, e.g. runs/default/model")
-    p.add_argument("--vote", choices=["majority", "q"], default=None,
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--vote", choices=["majority", "q"], default=None,
                    help="voted accuracy over run.eval_samples draws at run.eval_temperature: "
                         "plain majority, or weighted by ARRoL's quality head (q)")
+    how.add_argument("--search", choices=["dora", "solution"], default=None,
+                   help="test-time search: run.eval_samples rollouts per prompt, spread over "
+                        "the first run.search.directions candidates' openings by direction "
+                        "quality (dora) or by candidate (solution); majority answer")
     _config_args(p)
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("generate", help="sample responses to a prompt")

@@ -475,6 +475,49 @@ class XRPOConfig(Section):
     """lambda of the exploration bonus lambda sqrt(log(1 + T) / n)."""
 
 
+class CuresConfig(Section):
+    """CurES selection and rollout allocation (control.selector=cures,
+    control.group_size=cures; docs/methods.md#cures)."""
+    temperature: float = Field(0.1, gt=0)
+    """Selection weight exp(sqrt(p (1 - p)) / temperature): a prompt at p = 1/2 is e^(0.5 /
+    temperature) times as likely as a solved one (the public code's 100 (successes + 1) is
+    uniform sampling in effect)."""
+    min: int = Field(2, ge=1)
+    max: int | None = Field(None, ge=1)
+    """Rollouts one prompt gets at least and at most; None: 2 x generate.group_size."""
+    gradient: Literal["embedding", "none"] = "embedding"
+    """embedding: measure each response's gradient norm over the input embeddings after the
+    step (the paper's E[g^2] terms); none: every norm 1, sigma = sqrt(p (1 - p))."""
+    grad_samples: int = Field(4, ge=1)
+    """Responses per group whose gradient norm is measured."""
+
+
+class V0Config(Section):
+    """V0 success-rate prediction before generation, and allocation by it
+    (control.group_size=v0; docs/methods.md#v0)."""
+    history: int = Field(1024, ge=1)
+    """Observed groups kept (the latest)."""
+    bandwidth: float = Field(0.1, gt=0)
+    """Kernel width on the cosine similarity of prompts: exp((cos - 1) / bandwidth)."""
+    decay: float = Field(0.9, gt=0, le=1)
+    """Per-step weight decay of older groups (the policy moves)."""
+    prior_strength: float = Field(2.0, ge=0)
+    """Pseudo-counts of the history's overall success rate in every prediction."""
+    min: int = Field(2, ge=1)
+    max: int | None = Field(None, ge=1)
+    """Rollouts one prompt gets at least and at most; None: 2 x generate.group_size."""
+
+
+class IclSeedingConfig(Section):
+    """XRPO's in-context seeding of stuck prompts (docs/methods.md#xrpo)."""
+    exemplars: int = Field(0, ge=0)
+    """Solved training problems put before a stuck prompt; 0: off."""
+    after: int = Field(2, ge=1)
+    """A prompt is stuck after this many groups in a row with no solved rollout."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """Exemplars are dropped until the seeded prompt is at most this long."""
+
+
 class ArrolConfig(Section):
     """ARRoL online pruning (control.inflight=arrol; docs/methods.md#arrol)."""
     checkpoint: int = Field(8, ge=1)
@@ -554,13 +597,16 @@ class ControlConfig(Section):
     selector: ControlSelectorName = "uniform"
     """uniform; thompson (MoPPS Beta-Bernoulli, control.thompson.*); dps (Dynamics-Predictive
     Sampling, control.dps.*); vade (variance-aware Thompson sampling with a two-scale decay,
-    control.vade.*); insight (weighted mutual information, control.insight.*); or
-    'package.module:factory' called as factory(cfg) (rollwise.stages.control)."""
+    control.vade.*); insight (weighted mutual information, control.insight.*); cures
+    (softmax over sqrt(p (1 - p)), control.cures.*); or 'package.module:factory' called as
+    factory(cfg) (rollwise.stages.control)."""
     prompts_per_step: int = Field(64, gt=0)
     dps: DPSConfig = DPSConfig()
     thompson: ThompsonConfig = ThompsonConfig()
     vade: VadeConfig = VadeConfig()
     insight: InsightConfig = InsightConfig()
+    cures: CuresConfig = CuresConfig()
+    icl_seeding: IclSeedingConfig = IclSeedingConfig()
     inflight: ControlInflightName = "none"
     """In-flight control over any generator. none: every request runs to its end; april:
     partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
@@ -589,11 +635,14 @@ class ControlConfig(Section):
     dars (after the first generate.group_size samples, hard prompts get extra ones on DARS's
     schedule; control.dars.*); xrpo (control.xrpo.base samples each, then the rest of the
     step's samples one at a time to the prompts whose mean reward one more sample would pin
-    down most, plus a bonus for the less sampled; control.xrpo.*); or 'package.module:factory'
-    called as factory(cfg)."""
+    down most, plus a bonus for the less sampled; control.xrpo.*); cures (the step's samples in
+    proportion to each prompt's gradient-variance term; control.cures.*); v0 (in proportion to
+    p (1 - p) of a success rate predicted from the run's history before generation;
+    control.v0.*); or 'package.module:factory' called as factory(cfg)."""
     sgpo: SGPOConfig = SGPOConfig()
     dars: DARSConfig = DARSConfig()
     xrpo: XRPOConfig = XRPOConfig()
+    v0: V0Config = V0Config()
 
     @model_validator(mode="before")
     @classmethod
@@ -903,6 +952,21 @@ class LoopConfig(Section):
     weights or an idle point, before the run stops with an error naming what it waited for."""
 
 
+class SearchConfig(Section):
+    """Test-time search under a budget of run.eval_samples rollouts per prompt (`rollwise eval
+    --search`; docs/methods.md#dora)."""
+    allocation: Literal["dora", "solution"] = "dora"
+    """How the budget left after the first candidates is spread: dora (by direction quality,
+    each direction's weight the mean of its candidates') or solution (by candidate, so a
+    direction drawn more often gets more)."""
+    directions: int = Field(4, ge=1)
+    """Candidates sampled first, to the end; their openings are the search's directions."""
+    prefix_tokens: int = Field(8, ge=1)
+    """A candidate's direction: its first this many response tokens."""
+    temperature: float = Field(0.2, gt=0)
+    """Softmax temperature over the candidates' mean token log-probabilities."""
+
+
 class RunConfig(Section):
     name: str = "default"
     root: str = "runs"
@@ -939,6 +1003,7 @@ class RunConfig(Section):
     0: only at the end and on Ctrl-C. `rollwise train --resume RUN` continues from the last."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept (the newest)."""
+    search: SearchConfig = SearchConfig()
 
     @model_validator(mode="after")
     def _check_eval_sampling(self):

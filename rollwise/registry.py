@@ -52,7 +52,8 @@ BUILTIN: dict[str, dict[str, str]] = {
                  "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",
                  "dps": "rollwise.stages.control.select_dps:DPSSelector.build",
                  "vade": "rollwise.stages.control.select_vade:VadeSelector.build",
-                 "insight": "rollwise.stages.control.select_insight:InsightSelector.build"},
+                 "insight": "rollwise.stages.control.select_insight:InsightSelector.build",
+                 "cures": "rollwise.stages.control.alloc_cures:CuresSelector.build"},
     # factory(cfg, tokenizer) -> Generator
     "generator": {"group": "rollwise.stages.generate.group:GroupGenerator",
                   "latr": "rollwise.stages.generate.latr:LatrGenerator",
@@ -77,7 +78,9 @@ BUILTIN: dict[str, dict[str, str]] = {
     "group_size": {"fixed": "rollwise.stages.control.group_size:FixedSize",
                    "sgpo": "rollwise.stages.control.alloc_sgpo:SGPO",
                    "dars": "rollwise.stages.control.alloc_dars:DARS",
-                   "xrpo": "rollwise.stages.control.alloc_xrpo:XRPO"},
+                   "xrpo": "rollwise.stages.control.alloc_xrpo:XRPO",
+                   "cures": "rollwise.stages.control.alloc_cures:Cures",
+                   "v0": "rollwise.stages.control.value_v0:V0"},
     # factory(cfg) -> Replay
     "replay": {"none": "rollwise.stages.replay.buffer:NoReplay",
                "buffer": "rollwise.stages.replay.buffer:BufferReplay"},

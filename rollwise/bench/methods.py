@@ -30,6 +30,14 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | pool | uniform prompts (GRPO) on a recurring pool (--pool) | - | - |
 | vade | VADE selection on the same pool | pool | vade_tokens_to_target_ratio |
 | insight | InSight selection on the same pool | pool | insight_tokens_to_target_ratio |
+| cures | CurES selection and allocation on the same pool | pool | cures_pass1_delta |
+| v0 | rollouts by V0's predicted success rate | grpo | v0_brier, v0_tokens_to_target_ratio |
+| xrpo_icl | XRPO, in-context seeding too, on the pool | pool | xrpo_icl_tokens_to_target_ratio |
+| dora | a search from the warm start: DORA against by-candidate | - | dora_pass1_delta |
+
+The dora arm trains nothing: per seed, it searches the held-out set from the warm start with
+--search-budget rollouts per prompt (run.search.*) twice, spread by DORA and by candidate, on
+the same draws of the first candidates (rollwise.search).
 
 The two TTRL arms train on the majority vote alone (the config's ground-truth verifier rides
 along at weight 0, so held-out pass@1 is scored as in the other arms) and report sampled
@@ -98,10 +106,18 @@ ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
     "pool": (None, ["control.selector=uniform"], []),
     "vade": ("pool", ["control.selector=vade"], []),
     "insight": ("pool", ["control.selector=insight"], []),
+    "cures": ("pool", ["control.selector=cures", "control.group_size=cures"], []),
+    "v0": ("grpo", ["control.group_size=v0"], []),
+    "xrpo_icl": ("pool", ["control.group_size=xrpo", "train.advantage=xrpo",
+                          "control.icl_seeding.exemplars=2", "control.icl_seeding.after=1"], []),
+    "dora": (None, ["run.eval_temperature=1.0"], []),
 }
 BUDGET_SHARE = {"duet50": 0.5}
 TTRL_ARMS = {"ttrl", "echo_ttrl"}
-POOLED = {"dynamic", "dps", "pool", "vade", "insight"}  # on a recurring prompt pool (--pool)
+# on a recurring prompt pool (--pool): a prompt comes back, so its statistics (and a stuck
+# prompt's seeding) have a next time
+POOLED = {"dynamic", "dps", "pool", "vade", "insight", "cures", "xrpo_icl"}
+TEST_TIME = {"dora"}  # no training: a search on the warm start
 
 
 def with_baselines(arms: list[str]) -> list[str]:
@@ -196,12 +212,17 @@ class Diagnostics:
             "prefix_saved": m.get("tokens/prefix_saved", 0.0),
             "rollouts": sum(sizes) + aborts, "aborts": aborts,
             "group_size": statistics.mean(sizes) if sizes else 0.0,
+            "group_range": (min(sizes), max(sizes)) if sizes else (0, 0),
             "head_auc": m.get("arrol/head_auc"),
             "label_acc": m.get("filter/majority_label_acc"),
             "length": m.get("response/length_mean", 0.0),
             # APRIL: trained tokens sampled before the last update, and generation's seconds
             "stale": m.get("tokens/stale", 0.0), "trained": m.get("tokens/batch", 0.0),
-            "gen_seconds": m.get("perf/gen_seconds", 0.0)})
+            "gen_seconds": m.get("perf/gen_seconds", 0.0),
+            # V0's calibration before generation; XRPO's seeded prompts
+            "v0_brier": m.get("control/v0/brier"), "v0_auc": m.get("control/v0/auc"),
+            "v0_brier_const": m.get("control/v0/brier_const"),
+            "seeded": m.get("control/icl_seeding/seeded", 0.0)})
         print(f"{self.label}: step {run.current_step}, {self.used:.0f}/{self.budget:.0f} "
               f"tokens, mixed {self.steps[-1]['mixed']:.2f}, mean length "
               f"{self.steps[-1]['length']:.1f}", file=sys.stderr, flush=True)
@@ -218,17 +239,30 @@ class Diagnostics:
                 "abort_rate": sum(x["aborts"] for x in s) / max(rollouts, 1),
                 "group_size": statistics.mean(x["group_size"] for x in s),
                 "group_size_max": max(x["group_size"] for x in s),
+                # the smallest and largest single group of the run (an allocator's spread)
+                "group_smallest": min(x["group_range"][0] for x in s),
+                "group_largest": max(x["group_range"][1] for x in s),
                 "rollouts_to_target": sum(x["rollouts"] for x in s if x["step"] <= at_step),
                 "head_auc": aucs, "label_acc": statistics.mean(accs) if accs else None,
                 "stale_share": sum(x["stale"] for x in s) / max(sum(x["trained"] for x in s), 1),
                 "gen_seconds": sum(x["gen_seconds"] for x in s),
-                "length_first": s[0]["length"], "length_last": s[-1]["length"]}
+                "length_first": s[0]["length"], "length_last": s[-1]["length"],
+                **{k: _mean_known(x.get(k) for x in s)
+                   for k in ("v0_brier", "v0_auc", "v0_brier_const")},
+                "seeded": sum(x.get("seeded", 0.0) for x in s)}
+
+
+def _mean_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
 
 
 def run_arm(config: str | None, overrides: list[str], arm: str, seed: int, tokens: float,
             eval_tokens: float, gain: float, root: str, init: str | None,
             settings: str) -> dict:
     """One arm and seed, trained until its share of the token budget is decoded."""
+    if arm in TEST_TIME:
+        return run_search(config, overrides, seed, init, settings)
     budget = tokens * BUDGET_SHARE.get(arm, 1.0)
     diag = Diagnostics(f"{arm} seed {seed}", budget)
     t = train_to_budget(config, overrides + [
@@ -246,8 +280,42 @@ def run_arm(config: str | None, overrides: list[str], arm: str, seed: int, token
             **diag.summary(hit["step"] if hit else t["steps"]), "curve": curve}
 
 
+def run_search(config: str | None, overrides: list[str], seed: int, init: str | None,
+               settings: str) -> dict:
+    """The dora arm: the warm start's held-out search accuracy with run.eval_samples
+    rollouts per prompt, by DORA and by solution-level allocation, on the same draws."""
+    from rollwise.engine import BuiltinEngine
+    from rollwise.search import search_vote
+    cfg = load_config(config, overrides)
+    task = load_task(cfg.task)
+    model, tok = models.load_model(init or cfg.model.path, cfg.model.dtype)
+    model.eval()
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    scorer = eval_scorer(cfg.filter, task)
+    engine = BuiltinEngine(model, copy_model=False)
+    prompter = Prompter.for_task(cfg.task, tok, task, model)
+    out = {"arm": "dora", "seed": seed, "settings": settings, "budget": cfg.run.eval_samples}
+    try:
+        for by in ("dora", "solution"):
+            search = cfg.run.search.model_copy(update={"allocation": by})
+            got = search_vote(engine, prompter, task.eval, scorer, task.extract_answer,
+                              cfg.generate.max_new_tokens, cfg.run.eval_samples,
+                              cfg.run.eval_temperature, search, seed=seed)
+            out[f"{by}_acc"] = got["eval/search_acc"]
+            out["directions"] = got["eval/search_directions"]
+    finally:
+        scorer.close()
+    return out
+
+
 def _run(*job) -> dict:
     r = run_arm(*job)
+    if r["arm"] in TEST_TIME:
+        print(f"dora seed {r['seed']}: search accuracy {r['dora_acc']:.3f} (DORA) against "
+              f"{r['solution_acc']:.3f} (solution level), {r['directions']:.2f} directions a "
+              f"prompt", file=sys.stderr, flush=True)
+        return r
     print(f"{r['arm']} seed {r['seed']}: {r['steps']} steps, {r['tokens']:.0f} tokens, "
           f"{r['seconds']:.0f} s, pass@1 {r['start_pass1']:.3f} -> {r['final_pass1']:.3f}, "
           f"to target {r['tokens_to_target']:.0f} tokens"
@@ -264,7 +332,9 @@ MEDIANS = ("tokens_to_target", "seconds_to_target", "steps_to_target", "final_pa
 def summarize(runs: list[dict], seeds: list[int]) -> dict:
     by: dict[str, list[dict]] = {}
     for r in runs:
-        by.setdefault(r["arm"], []).append(r)
+        if r["arm"] not in TEST_TIME:
+            by.setdefault(r["arm"], []).append(r)
+    searched = [r for r in runs if r["arm"] == "dora"]
     med = {a: {k: statistics.median(r[k] for r in rs) for k in MEDIANS}
            for a, rs in by.items()}
     for a, rs in by.items():
@@ -282,6 +352,10 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
         d = [x[s] - y[s] for s in seeds if s in x and s in y
              and x[s] is not None and y[s] is not None]
         return statistics.mean(d) if d else None
+
+    def median_of(a: str, key: str) -> float | None:
+        known = [r[key] for r in by.get(a, []) if r.get(key) is not None]
+        return statistics.median(known) if known else None
 
     def ratio(a: str, key: str) -> float | None:
         base = ARMS[a][0]
@@ -305,7 +379,19 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
             "dps_rollouts_ratio": ratio("dps", "rollouts_to_target"),
             "xrpo_tokens_to_target_ratio": ratio("xrpo", "tokens_to_target"),
             "vade_tokens_to_target_ratio": ratio("vade", "tokens_to_target"),
-            "insight_tokens_to_target_ratio": ratio("insight", "tokens_to_target")}
+            "insight_tokens_to_target_ratio": ratio("insight", "tokens_to_target"),
+            "cures_pass1_delta": paired("cures", "final_pass1"),
+            "cures_tokens_to_target_ratio": ratio("cures", "tokens_to_target"),
+            "v0_brier": median_of("v0", "v0_brier"),
+            "v0_brier_const": median_of("v0", "v0_brier_const"),
+            "v0_auc": median_of("v0", "v0_auc"),
+            "v0_tokens_to_target_ratio": ratio("v0", "tokens_to_target"),
+            "xrpo_icl_tokens_to_target_ratio": ratio("xrpo_icl", "tokens_to_target"),
+            "dora_pass1_delta": (statistics.mean(r["dora_acc"] - r["solution_acc"]
+                                                 for r in searched) if searched else None)}
+    if searched:
+        out["search"] = {k: statistics.median(r[k] for r in searched)
+                         for k in ("dora_acc", "solution_acc", "directions")}
     out.update({k: v for k, v in keys.items() if v is not None})
     return out
 
@@ -314,7 +400,8 @@ HEADLINE = ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_
             "echo_label_acc_delta", "arrol_speedup", "duet50_pass1_delta", "sgpo_compute_ratio",
             "dars_compute_ratio", "april_seconds_ratio", "dps_rollouts_ratio",
             "xrpo_tokens_to_target_ratio", "vade_tokens_to_target_ratio",
-            "insight_tokens_to_target_ratio")
+            "insight_tokens_to_target_ratio", "cures_pass1_delta", "v0_brier",
+            "xrpo_icl_tokens_to_target_ratio", "dora_pass1_delta")
 
 
 def arm_list(text: str) -> list[str]:
@@ -351,6 +438,10 @@ DIAGNOSTICS = {
     "xrpo": ("group_size", "group_size_max", "mixed_share"),
     "vade": ("mixed_share", "rollouts"),
     "insight": ("mixed_share", "rollouts"),
+    "cures": ("group_smallest", "group_largest", "mixed_share"),
+    "v0": ("v0_brier", "v0_brier_const", "v0_auc", "group_smallest", "group_largest",
+           "mixed_share"),
+    "xrpo_icl": ("seeded", "group_smallest", "group_largest", "mixed_share"),
 }
 
 
@@ -401,6 +492,10 @@ def table(out: dict) -> None:
               f"{'–' if delta is None else f'{delta:+.3f}'} | {v['mixed_share']:.3f} | "
               f"{v['forks']:.0f} | {v['prefix_saved']:.0f} | {v['abort_rate']:.3f} | "
               f"{v['group_size']:.1f} | {'–' if auc is None else f'{auc:.2f}'} |")
+    if out.get("search"):
+        s = out["search"]
+        print(f"\ndora: held-out search accuracy {s['dora_acc']:.3f} against solution-level "
+              f"{s['solution_acc']:.3f} (medians), {s['directions']:.2f} directions a prompt")
     method_tables(out)
 
 
@@ -419,6 +514,8 @@ def main(argv: list[str]) -> int:
                    help="target: the warm start's held-out pass@1 plus this")
     p.add_argument("--pool", type=int, default=64,
                    help="recurring prompt pool of the dynamic and dps arms (task.train_size)")
+    p.add_argument("--search-budget", type=int, default=16,
+                   help="the dora arm: rollouts per held-out prompt (run.eval_samples)")
     p.add_argument("--sgpo-prompts", type=int, default=64,
                    help="prompts sGPO profiles (its pass counts in its budget)")
     p.add_argument("--profile-prompts", type=int, default=64,
@@ -451,6 +548,7 @@ def main(argv: list[str]) -> int:
                + [o for m in ARMS[a][2] for o in prof["overrides"][m]]
                + ([f"task.train_size={args.pool}"] if a in POOLED else [])
                + ([f"control.sgpo.profile_prompts={args.sgpo_prompts}"] if a == "sgpo" else [])
+               + ([f"run.eval_samples={args.search_budget}"] if a in TEST_TIME else [])
                + args.overrides + threads for a in arms}  # the command's overrides win
     settings = {a: settings_key(config, per_arm[a], args.tokens, args.eval_tokens, args.gain,
                                 init) for a in arms}

@@ -161,6 +161,8 @@ def test_baselines_are_added_before_the_arms_that_need_them():
     assert methods.with_baselines(["latr", "echo_ttrl", "dps", "grpo"]) == [
         "grpo", "latr", "ttrl", "echo_ttrl", "dynamic", "dps"]
     assert methods.with_baselines(["vade", "insight"]) == ["pool", "vade", "insight"]
+    assert methods.with_baselines(["cures", "v0", "dora"]) == ["pool", "cures", "grpo", "v0",
+                                                               "dora"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown arm"):
         methods.arm_list("latr,bogus")
 
@@ -194,6 +196,29 @@ def test_summary_keys_come_from_the_runs():
     assert out["vade_tokens_to_target_ratio"] == 600 / 1000
     assert "insight_tokens_to_target_ratio" not in out
     assert "sgpo_compute_ratio" not in out and "echo_ttrl_pass1_delta" not in out
+
+
+def test_the_seed_method_keys_come_from_their_runs():
+    def run(arm, seed, tokens, final, **kw):
+        return {"arm": arm, "seed": seed, "tokens_to_target": tokens, "final_pass1": final,
+                "seconds_to_target": 1.0, "reached": True, "label_acc": None, "head_auc": [],
+                **{k: 1.0 for k in methods.MEDIANS if k not in
+                   ("tokens_to_target", "final_pass1", "seconds_to_target")}, **kw}
+    runs = [run("pool", s, 1000, f) for s, f in ((0, 0.4), (1, 0.5))]
+    runs += [run("cures", s, 800, f) for s, f in ((0, 0.45), (1, 0.6))]
+    runs += [run("grpo", s, 1000, 0.5) for s in (0, 1)]
+    runs += [run("v0", s, t, 0.5, v0_brier=b, v0_brier_const=0.25, v0_auc=None)
+             for s, t, b in ((0, 900, 0.2), (1, 700, 0.1))]
+    runs += [{"arm": "dora", "seed": s, "dora_acc": d, "solution_acc": a, "directions": 3.0}
+             for s, d, a in ((0, 0.5, 0.4), (1, 0.6, 0.6))]
+    out = methods.summarize(runs, [0, 1])
+    assert out["cures_pass1_delta"] == pytest.approx((0.05 + 0.1) / 2)
+    assert out["v0_brier"] == pytest.approx(0.15) and out["v0_brier_const"] == 0.25
+    assert out["v0_tokens_to_target_ratio"] == 800 / 1000
+    assert "v0_auc" not in out  # no run had both outcomes
+    assert out["dora_pass1_delta"] == pytest.approx(0.05)
+    assert out["search"] == {"dora_acc": 0.55, "solution_acc": 0.5, "directions": 3.0}
+    assert "dora" not in out["medians"]  # a search is not a training run
 
 
 def test_april_diagnostics_are_shares_of_the_whole_run_and_older_runs_show_a_dash(capsys):

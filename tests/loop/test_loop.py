@@ -76,3 +76,21 @@ def test_eval_command_reproduces_the_end_figure(run, capsys):
     assert main(["eval", "--model", f"{cfg.run.root}/t/model", "run.log=quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["eval/pass1"] == summary["eval_pass1_end"]
+
+
+def test_eval_searches_by_direction_or_by_candidate_on_the_same_first_draws(run, capsys):
+    cfg, _ = run
+    overrides = ["run.eval_samples=6", "run.eval_temperature=1.0", "run.search.directions=3",
+                 "run.search.prefix_tokens=2"]
+    got = {}
+    for by in ("dora", "solution"):
+        assert main(["eval", "--model", f"{cfg.run.root}/t/model", "--search", by,
+                     *overrides]) == 0
+        got[by] = json.loads(capsys.readouterr().out)
+    for out in got.values():
+        assert 0 <= out["eval/search_acc"] <= 1 and 1 <= out["eval/search_directions"] <= 3
+    # the first candidates are the same draws: the directions found do not depend on the rule
+    assert got["dora"]["eval/search_directions"] == got["solution"]["eval/search_directions"]
+    with pytest.raises(SystemExit):  # one way of playing the draws at a time
+        main(["eval", "--model", f"{cfg.run.root}/t/model", "--vote", "majority", "--search",
+              "dora"])

@@ -123,6 +123,12 @@ def test_trainer_state_restores_the_next_update_exactly(tiny):
     # the posterior selectors on a pool small enough that prompts recur
     ("selector", ["control.selector=vade", "task.train_size=24"]),
     ("selector", ["control.selector=insight", "task.train_size=24"]),
+    # CurES's counts and gradient norms, V0's history, the seeding bank and streaks
+    ("group_size", ["control.selector=cures", "control.group_size=cures",
+                    "task.train_size=24"]),
+    ("group_size", ["control.group_size=v0", "task.train_size=24"]),
+    ("icl_seeding", ["control.icl_seeding.exemplars=1", "control.icl_seeding.after=1",
+                     "task.train_size=24"]),
     # an engine in a child process: its seed stream is saved through the engine's state API
     ("engine", ["sync.transport=process"]),
 ])

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from rollwise.stages.control.base import build_selector
 from rollwise.stages.control.group_size import Profile, build_group_sizer
 from rollwise.stages.control.inflight import build_inflight
+from rollwise.stages.control.seed_icl import IclSeeder
 from rollwise.stages.ledger import Ledger
 from rollwise.stages.replay.curriculum import build_curriculum
 from rollwise.types import Group, Problem
@@ -65,6 +66,7 @@ class Control:
         self.inflight = build_inflight(cfg)
         self.refill = Refill(cfg)
         self.sizer = build_group_sizer(cfg)
+        self.seeder = IclSeeder(cfg) if cfg.control.icl_seeding.exemplars > 0 else None
         self.profile: Profile | None = None  # set by the loop: (problems, k, ledger) -> outcomes
 
     def bind(self, **context) -> None:
@@ -72,6 +74,9 @@ class Control:
         loop passes it here; the in-flight controller takes its share through its own bind."""
         self.profile = context.get("profile", self.profile)
         self.inflight.bind(**context)
+        self.sizer.bind(**context)
+        if self.seeder is not None:
+            self.seeder.bind(**context)
 
     def rounds(self, want: int, kept: list[Group]) -> Iterator[int]:
         return self.refill.rounds(want, kept)
@@ -99,7 +104,9 @@ class Control:
     def metrics(self) -> dict[str, float]:
         """The selector's, the group sizer's and the in-flight controller's own numbers for
         this step (what VADE's draws picked, XRPO's group sizes, ARRoL's head AUC)."""
-        return {**self.selector.metrics(), **self.sizer.metrics(), **self.inflight.metrics()}
+        seeding = self.seeder.metrics() if self.seeder is not None else {}
+        return {**self.selector.metrics(), **self.sizer.metrics(), **self.inflight.metrics(),
+                **seeding}
 
     def _profile(self, problems: list[Problem], k: int, ledger: Ledger
                  ) -> dict[str, tuple[int, int]]:
@@ -120,7 +127,7 @@ class Control:
                 ledger.decide("control", "skip", "no_samples_allocated")
             else:
                 out.append(dataclasses.replace(p, group_size=int(n)))
-        return out
+        return out if self.seeder is None else self.seeder.transform(out)
 
     def extra(self, groups: list[Group]) -> list[int]:
         """Samples to add to each scored group before it is trained on (DARS)."""
@@ -131,10 +138,14 @@ class Control:
         outcomes = prompt_outcomes(scored)
         self.selector.observe(outcomes, step)
         self.inflight.observe(scored, step)  # a learned controller (ARRoL's quality head)
+        self.sizer.observe(scored, step)  # CurES's gradient norms, V0's history
+        if self.seeder is not None:
+            self.seeder.observe(scored, step)
         if self.curriculum is not None:
             self.curriculum.observe(outcomes, step)
 
     def parts(self) -> dict:
         """The stateful parts, for checkpoints."""
         return {"selector": self.selector, "inflight": self.inflight,
-                "curriculum": self.curriculum, "group_size": self.sizer}
+                "curriculum": self.curriculum, "group_size": self.sizer,
+                "icl_seeding": self.seeder}

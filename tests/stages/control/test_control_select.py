@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 
+from rollwise.stages.control.alloc_cures import CuresSelector
 from rollwise.stages.control.select_dps import (
     PARTIAL,
     SOLVED,
@@ -107,7 +108,8 @@ def test_thompson_prefers_prompts_near_the_target():
 
 
 @pytest.mark.parametrize("make", [lambda: DPSSelector(decay=0.9), ThompsonSelector,
-                                  VadeSelector, lambda: InsightSelector(k=4, decay=0.9)])
+                                  VadeSelector, lambda: InsightSelector(k=4, decay=0.9),
+                                  CuresSelector])
 def test_state_round_trips_and_continues_identically(make):
     rng = random.Random(3)
     a = make()
