@@ -255,8 +255,8 @@ class EchoConfig(Section):
     entropy_threshold (and entropy_floor below it)."""
     top_k: int = Field(10, ge=2)
     roots: int = Field(2, ge=1)
-    """Sampled sequences per prompt that branch; the group is filled to its size with i.i.d.
-    samples once the tree is done."""
+    """Sampled sequences per prompt that branch; the group is filled to its size once the tree
+    is done (generate.echo.fill)."""
     min_position: int = Field(4, ge=0)
     entropy_threshold: float = Field(3.5, gt=0)
     """Top-k entropy (nats) at or above which a sequence may branch."""
@@ -273,6 +273,14 @@ class EchoConfig(Section):
     tail_conf: float = 1.0
     delta_rise: float = 0.5
     prune: bool = True
+    fill: Literal["iid", "dora"] = "iid"
+    """How the group is filled once the tree is done: iid (fresh samples from the prompt) or
+    dora (continuations of the tree's finished sequences' openings, spread over the openings
+    by DORA's direction-level rule, as `rollwise eval --search dora`)."""
+    fill_prefix_tokens: int = Field(8, ge=1)
+    """fill = dora: a sequence's direction is its first this many response tokens."""
+    fill_temperature: float = Field(0.2, gt=0)
+    """fill = dora: softmax temperature over the sequences' mean token log-probabilities."""
 
     @model_validator(mode="after")
     def _floor_below_threshold(self):

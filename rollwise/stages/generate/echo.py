@@ -8,7 +8,9 @@ from its prefix, each on one of the top-w tokens other than the one it sampled (
 sampled: Sample.chosen). Children may branch again later. While the group is short of its size
 the tree grows; a sequence whose confidence collapses (the three prune rules) is cut and
 dropped, its tokens counted as pruned. Once no tree sequence is left generating, the group is
-filled to its size with i.i.d. samples.
+filled to its size: with i.i.d. samples, or (fill = dora) with continuations of the tree's
+finished sequences' openings, spread over the openings by DORA's direction-level rule
+(dora_fill; rollwise/search.py has the rule and its reading).
 
 A tree's state lasts one round: a branch an in-flight controller pauses (APRIL) resumes next
 round as a plain sampled sequence, and its group keeps the branches it had.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from rollwise.search import allocation_weights, direction_ids, split_budget
 from rollwise.stages.generate.base import Generator
 from rollwise.stages.generate.group import new_sample
 from rollwise.stages.generate.rollout import Rollout
@@ -102,10 +105,37 @@ class EchoGenerator(Generator):
             return
         tree.filled = True
         missing = tree.size - len(tree.group.samples)
-        if missing > 0:
-            fresh = [new_sample(tree.problem, tree.problem.prompt_ids, self._step)
-                     for _ in range(missing)]
-            for f in fresh:
-                f.meta["tree_fill"] = True
-            rollout.extend(tree.group, fresh)
+        if missing <= 0:
+            return
+        fresh = dora_fill(tree.group.samples, missing, self.cfg.fill_prefix_tokens,
+                          self.cfg.fill_temperature) if self.cfg.fill == "dora" else []
+        fresh += [new_sample(tree.problem, tree.problem.prompt_ids, self._step)
+                  for _ in range(missing - len(fresh))]
+        for f in fresh:
+            f.meta["tree_fill"] = "dora" if f.parent_uid else True
+        rollout.extend(tree.group, fresh)
+
+
+def dora_fill(samples: list[Sample], missing: int, k: int, temperature: float) -> list[Sample]:
+    """`missing` continuations of the finished sequences' first k response tokens, each
+    opening (a direction) getting its share by DORA's rule over the sequences' mean token
+    log-probabilities; none when no sequence is longer than its opening. A continuation is a
+    child of the sequence it continues, branching at k, its copied tokens trained as the
+    parent's are."""
+    cands = [s for s in samples if len(s.response_ids) > k]
+    if not cands:
+        return []
+    quality = [sum(s.logprobs) / len(s.logprobs) for s in cands]
+    dirs = direction_ids([tuple(s.response_ids[:k]) for s in cands])
+    counts = split_budget(allocation_weights(quality, dirs, temperature, "dora"), missing)
+    return [_opening(s, k) for s, n in zip(cands, counts) for _ in range(n)]
+
+
+def _opening(parent: Sample, k: int) -> Sample:
+    child = parent.fork()
+    for name in ("response_ids", "logprobs", "versions", "loss_mask", "entropies"):
+        del getattr(child, name)[k:]
+    child.chosen = [i for i in child.chosen if i < k]
+    child.branch_point = k
+    return child
 

@@ -236,6 +236,51 @@ def test_echo_branches_on_alternatives_fills_its_groups_and_logs_exactly(wild):
     assert engine.prefix_tokens_saved > 0
 
 
+def test_dora_fill_continues_openings_by_direction_quality_on_a_hand_made_tree():
+    from rollwise.stages.generate.echo import dora_fill
+    from rollwise.types import Sample
+
+    def seq(uid, ids, lp):
+        return Sample(prompt_id="p", prompt_ids=[1], response_ids=ids, logprobs=[lp] * len(ids),
+                      versions=[3] * len(ids), loss_mask=[1] * len(ids), uid=uid,
+                      status=Status.COMPLETED)
+    strong = seq("s", [5, 6, 7, 8], -0.1)  # one confident sequence opening (5, 6)
+    weak = [seq(f"w{i}", [9, 9, 1 + i, 2], -0.3) for i in range(3)]  # three opening (9, 9)
+    short = seq("x", [4, 4], -0.01)  # ends within its opening: no direction
+    fill = dora_fill([strong, *weak, short], 6, 2, 0.2)
+    a, b = math.exp(-0.1 / 0.2), math.exp(-0.3 / 0.2)
+    assert a / (a + b) * 6 == pytest.approx(4.38, abs=0.01)  # DORA: 4 to the strong opening
+    assert [c.parent_uid for c in fill] == ["s"] * 4 + ["w0", "w1"]
+    parents = {x.uid: x for x in [strong, *weak]}
+    for c in fill:
+        parent = parents[c.parent_uid]
+        assert c.branch_point == 2 and c.response_ids == parent.response_ids[:2]
+        assert c.logprobs == parent.logprobs[:2] and c.versions == [3, 3]
+        assert c.loss_mask == [1, 1] and c.root_uid == c.parent_uid
+        c.check()
+    # solution-level allocation would have given the strong opening a / (a + 3 b) of 6 = 2.9
+    assert dora_fill([short], 3, 2, 0.2) == []
+
+
+def test_echo_fills_with_dora_continuations_that_log_exactly(wild):
+    groups, *_, model = _round(
+        wild, "echo", ["generate.echo.roots=2", "generate.echo.fill=dora",
+                       "generate.echo.fill_prefix_tokens=3", "generate.echo.prune=false"])
+    continued = 0
+    for g in groups:
+        by_uid = {s.uid: s for s in g.samples}
+        for s in g.samples:
+            if s.meta.get("tree_fill") == "dora":
+                continued += 1
+                assert s.branch_point == 3 and s.parent_uid in by_uid
+                assert s.response_ids[:3] == by_uid[s.parent_uid].response_ids[:3]
+                lp, _ = contract.forward_logprobs(model, s.prompt_ids, s.response_ids,
+                                                  SamplingParams(temperature=1.0))
+                assert (lp - torch.tensor(s.logprobs)).abs().max() < 1e-4
+        assert len(g.samples) == 6 and all(s.finished for s in g.samples)
+    assert continued > 0
+
+
 def test_echo_pruned_sequences_leave_the_group_and_are_replaced(wild):
     groups, ledger, _, model = _round(wild, "echo", ["generate.echo.min_group_conf=100"])
     assert ledger.decisions["generate/prune/echo_min_conf"] == 4  # 2 roots in each of 2 groups
