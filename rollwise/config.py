@@ -743,6 +743,17 @@ class LoraConfig(Section):
     v_proj for Llama and Qwen2)."""
 
 
+class D3SConfig(Section):
+    """D³S dual-level down-sampling (train.downsample=d3s; docs/methods.md#d3s)."""
+    sample_start: float = Field(0.5, gt=0, le=1)
+    """Share of each group's rollouts trained at the first update (the max-variance subset,
+    at least 2)."""
+    token_start: float = Field(0.5, gt=0, le=1)
+    """Share of the step's remaining tokens trained at the first update (largest |A| H)."""
+    relax_steps: int = Field(100, ge=0)
+    """Updates over which both shares rise linearly to 1 (0: no down-sampling)."""
+
+
 class SharpenConfig(Section):
     """XRPO's novelty-aware advantage sharpening (train.advantage=xrpo; docs/methods.md#xrpo)."""
     scale: float = Field(1.0, ge=0)
@@ -810,6 +821,11 @@ class TrainConfig(Section):
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated responses leave the loss. (DAPO's soft overlong
     punishment is a reward: the filter's `length` channel.)"""
+    downsample: Literal["none", "d3s"] = "none"
+    """d3s: train each group's max-advantage-variance subset of rollouts and, of their tokens,
+    those with the largest |A| x entropy, on a schedule that relaxes to all (train.d3s.*);
+    the rest leave the loss and its denominators."""
+    d3s: D3SConfig = D3SConfig()
     correction: CorrectionConfig = CorrectionConfig()
     lr: float = Field(3e-4, gt=0)
     lr_end_factor: float = Field(0.1, ge=0, le=1)

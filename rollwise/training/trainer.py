@@ -32,6 +32,7 @@ from rollwise.training.advantages import (
     no_shaping,
 )
 from rollwise.training.confidence import echo_clip, policy_token_stats
+from rollwise.training.downsample import keep_fraction, sample_keep, token_keep
 from rollwise.training.head import captured_head, chunk_tokens, fusable
 from rollwise.training.losses import (
     ZERO_AT_ZERO_ADVANTAGE,
@@ -397,6 +398,8 @@ class Trainer:
             return None  # each rank forwards its own share of the micro-batches
         if first_mb is None or advantages is None:
             return None  # advantages None: they (hence the moving rows) need the old log-probs
+        if self.cfg.downsample == "d3s":
+            return None  # D³S reads every row's entropy and decides the moving rows after
         if (cfg.micro_batch_size and cfg.micro_batch_size < len(first_mb)) or \
                 len(self.token_chunks(batch, first_mb)) > 1:
             return None  # holding every micro-batch's graph would defeat micro-batching
@@ -490,6 +493,8 @@ class Trainer:
             mask = self._drop(mask, torch.tensor(kept).float()[:, None], "overlong", m)
         if cfg.chosen_tokens == "mask":
             mask = self._drop(mask, 1 - chosen_positions(samples, mask.shape), "chosen", m)
+        if cfg.downsample == "d3s":
+            mask = self._d3s(batch, ent, mask, m)
         anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
         sample_w = torch.tensor([s.weight for s in samples], dtype=weights.dtype)
         if (sample_w != 1).any():  # a sample kept with probability q counts 1/q times (DUET)
@@ -501,6 +506,20 @@ class Trainer:
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
         return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm,
                         first_pass, clip=clip), m
+
+    def _d3s(self, batch: Batch, entropy: torch.Tensor, mask: torch.Tensor,
+             m: dict[str, float]) -> torch.Tensor:
+        """D³S: each group's max-variance subset, then the tokens with the largest |A| H (H the
+        pre-update policy's entropy), at this update's shares (rollwise.training.downsample)."""
+        c = self.cfg.d3s
+        rs = keep_fraction(self.version, c.sample_start, c.relax_steps)
+        rt = keep_fraction(self.version, c.token_start, c.relax_steps)
+        keep = sample_keep(batch.advantages, batch.group_index, rs)
+        mask = self._drop(mask, keep.float()[:, None], "d3s_sample", m)
+        score_adv = batch.advantages[:, None].expand_as(mask)
+        mask = self._drop(mask, token_keep(score_adv, entropy, mask, rt), "d3s_token", m)
+        m["d3s/sample_share"], m["d3s/token_share"] = rs, rt
+        return mask
 
     def _policy_stats(self, batch: Batch, m: dict[str, float]) -> torch.Tensor | None:
         """The pre-update policy's entropy and top-5 confidence on the batch, where the token
