@@ -615,6 +615,14 @@ class ControlConfig(Section):
     insight: InsightConfig = InsightConfig()
     cures: CuresConfig = CuresConfig()
     icl_seeding: IclSeedingConfig = IclSeedingConfig()
+    baseline: Literal["none", "running", "v0"] = "none"
+    """A group-free baseline put in each sample's meta before training (what
+    train.advantage=mssr subtracts): running (the prompt's own decayed mean reward, the run's
+    mean as its prior) or v0 (predicted from similar prompts, control.v0.*)."""
+    baseline_decay: float = Field(0.8, gt=0, le=1)
+    """running: per-step decay of a prompt's earlier rewards."""
+    baseline_prior: float = Field(2.0, ge=0)
+    """running: pseudo-counts of the run's mean reward in every prompt's baseline."""
     inflight: ControlInflightName = "none"
     """In-flight control over any generator. none: every request runs to its end; april:
     partial rollouts (stop at prompts_per_step complete groups, pause the rest, resume them
@@ -773,7 +781,8 @@ class TrainConfig(Section):
     reinforce_pp_baseline, mc_grpo, gdpo, cod (Connect-the-Dots: rewards-to-go in sample meta,
     per-slot baselines, RED), trace (TRACE: each reward less its anchor's mean), trace_tree
     (TRACE with per-turn credit: each turn's value after less its baseline before, from the
-    whole tree), xrpo (GRPO with XRPO's novelty-aware sharpening, train.sharpen.*), or
+    whole tree), xrpo (GRPO with XRPO's novelty-aware sharpening, train.sharpen.*), mssr
+    (single-rollout: the reward less the sample's group-free baseline, control.baseline), or
     'package.module:function'."""
     sharpen: SharpenConfig = SharpenConfig()
     reward_weights: dict[str, float] = {}
@@ -1058,6 +1067,13 @@ class Config(Section):
         mistake is said before anything imports torch (model.dtype=auto below may)."""
         from rollwise.gym_settings import precheck
         precheck(self.task.name, self.task.gym, self.filter.reward)
+        return self
+
+    @model_validator(mode="after")
+    def _check_single_rollout_baseline(self):
+        if self.train.advantage == "mssr" and self.control.baseline == "none":
+            raise ValueError("train.advantage = mssr subtracts a baseline that needs no group: "
+                             "set control.baseline = running (or v0)")
         return self
 
     @model_validator(mode="after")

@@ -29,10 +29,11 @@ BUILTIN: dict[str, dict[str, str]] = {
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
         ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"), ("trace", "trace"),
-        ("trace_tree", "trace_tree"), ("xrpo", "xrpo"))},
+        ("trace_tree", "trace_tree"), ("xrpo", "xrpo"), ("mssr", "mssr"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
     "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
-                      "echo": "rollwise.training.confidence:echo_shaping"},
+                      "echo": "rollwise.training.confidence:echo_shaping",
+                      "entropy": "rollwise.training.advantages:entropy_shaping"},
     # fn(logprobs, old_logprobs, advantages, mask, LossParams) -> (per-token loss, metrics)
     "policy_loss": {n: "rollwise.training.losses:" + n for n in ("ppo_clip", "dual_clip", "gspo",
                                                                  "rec_oneside")},

@@ -34,6 +34,8 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | v0 | rollouts by V0's predicted success rate | grpo | v0_brier, v0_tokens_to_target_ratio |
 | xrpo_icl | XRPO, in-context seeding too, on the pool | pool | xrpo_icl_tokens_to_target_ratio |
 | dora | a search from the warm start: DORA against by-candidate | - | dora_pass1_delta |
+| d3s | D3S down-sampling of samples and tokens | grpo | d3s_tokens_to_target_ratio |
+| mssr | single rollouts, entropy shaping, on the pool | pool | mssr_tokens_to_target_ratio |
 
 The dora arm trains nothing: per seed, it searches the held-out set from the warm start with
 --search-budget rollouts per prompt (run.search.*) twice, spread by DORA and by candidate, on
@@ -111,12 +113,16 @@ ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
     "xrpo_icl": ("pool", ["control.group_size=xrpo", "train.advantage=xrpo",
                           "control.icl_seeding.exemplars=2", "control.icl_seeding.after=1"], []),
     "dora": (None, ["run.eval_temperature=1.0"], []),
+    "d3s": ("grpo", ["train.downsample=d3s"], []),
+    "mssr": ("pool", ["generate.group_size=1", "train.advantage=mssr",
+                      "control.baseline=running", "train.token_shaping=entropy",
+                      "filter.drop_equal_reward_groups=false"], []),
 }
 BUDGET_SHARE = {"duet50": 0.5}
 TTRL_ARMS = {"ttrl", "echo_ttrl"}
 # on a recurring prompt pool (--pool): a prompt comes back, so its statistics (and a stuck
 # prompt's seeding) have a next time
-POOLED = {"dynamic", "dps", "pool", "vade", "insight", "cures", "xrpo_icl"}
+POOLED = {"dynamic", "dps", "pool", "vade", "insight", "cures", "xrpo_icl", "mssr"}
 TEST_TIME = {"dora"}  # no training: a search on the warm start
 
 
@@ -222,7 +228,8 @@ class Diagnostics:
             # V0's calibration before generation; XRPO's seeded prompts
             "v0_brier": m.get("control/v0/brier"), "v0_auc": m.get("control/v0/auc"),
             "v0_brier_const": m.get("control/v0/brier_const"),
-            "seeded": m.get("control/icl_seeding/seeded", 0.0)})
+            "seeded": m.get("control/icl_seeding/seeded", 0.0),
+            "loss_tokens": m.get("tokens/trained", 0.0), "decoded": m["tokens/decoded"]})
         print(f"{self.label}: step {run.current_step}, {self.used:.0f}/{self.budget:.0f} "
               f"tokens, mixed {self.steps[-1]['mixed']:.2f}, mean length "
               f"{self.steps[-1]['length']:.1f}", file=sys.stderr, flush=True)
@@ -249,7 +256,10 @@ class Diagnostics:
                 "length_first": s[0]["length"], "length_last": s[-1]["length"],
                 **{k: _mean_known(x.get(k) for x in s)
                    for k in ("v0_brier", "v0_auc", "v0_brier_const")},
-                "seeded": sum(x.get("seeded", 0.0) for x in s)}
+                "seeded": sum(x.get("seeded", 0.0) for x in s),
+                # tokens the loss saw over tokens decoded (D3S trains a share)
+                "trained_share": sum(x.get("loss_tokens", 0.0) for x in s)
+                / max(sum(x.get("decoded", 0.0) for x in s), 1)}
 
 
 def _mean_known(values) -> float | None:
@@ -387,6 +397,9 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
             "v0_auc": median_of("v0", "v0_auc"),
             "v0_tokens_to_target_ratio": ratio("v0", "tokens_to_target"),
             "xrpo_icl_tokens_to_target_ratio": ratio("xrpo_icl", "tokens_to_target"),
+            "d3s_tokens_to_target_ratio": ratio("d3s", "tokens_to_target"),
+            "mssr_tokens_to_target_ratio": ratio("mssr", "tokens_to_target"),
+            "mssr_steps_to_target_ratio": ratio("mssr", "steps_to_target"),
             "dora_pass1_delta": (statistics.mean(r["dora_acc"] - r["solution_acc"]
                                                  for r in searched) if searched else None)}
     if searched:
@@ -401,7 +414,8 @@ HEADLINE = ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_
             "dars_compute_ratio", "april_seconds_ratio", "dps_rollouts_ratio",
             "xrpo_tokens_to_target_ratio", "vade_tokens_to_target_ratio",
             "insight_tokens_to_target_ratio", "cures_pass1_delta", "v0_brier",
-            "xrpo_icl_tokens_to_target_ratio", "dora_pass1_delta")
+            "xrpo_icl_tokens_to_target_ratio", "dora_pass1_delta",
+            "d3s_tokens_to_target_ratio", "mssr_tokens_to_target_ratio")
 
 
 def arm_list(text: str) -> list[str]:
@@ -442,6 +456,8 @@ DIAGNOSTICS = {
     "v0": ("v0_brier", "v0_brier_const", "v0_auc", "group_smallest", "group_largest",
            "mixed_share"),
     "xrpo_icl": ("seeded", "group_smallest", "group_largest", "mixed_share"),
+    "d3s": ("trained_share", "mixed_share"),
+    "mssr": ("steps_to_target", "trained_share"),
 }
 
 

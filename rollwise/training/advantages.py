@@ -194,6 +194,17 @@ def xrpo(x: AdvantageInputs) -> AdvantageOutput:
     return _out(base + bonus, sharpened=(bonus > 0).sum(), bonus_max=bonus.max())
 
 
+def mssr(x: AdvantageInputs) -> AdvantageOutput:
+    """Single-rollout advantage (MSSR; docs/methods.md#mssr): A_i = r_i - b_i, b_i the
+    sample's group-free baseline from earlier steps (meta["baseline"], control.baseline), so a
+    group of one still has a signal. Pair it with train.token_shaping=entropy, MSSR's bound."""
+    if len(x.meta) != len(x.rewards) or any("baseline" not in m for m in x.meta):
+        raise ValueError("train.advantage = mssr needs each sample's baseline (meta "
+                         "'baseline'): set control.baseline = running or v0")
+    b = torch.tensor([float(m["baseline"]) for m in x.meta])
+    return _out(x.rewards.float() - b, baseline_mean=b.mean())
+
+
 def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:
     """MC-GRPO (median-centred GRPO; docs/methods.md#mc-grpo, lotusroot-kim/MC-GRPO):
     A_i = (r_i - median_g r) / (MAD_g + eps), MAD_g = median_g |r - median_g r|, and the
@@ -246,6 +257,23 @@ def gdpo(x: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutput:
 def no_shaping(token_advantages: torch.Tensor, batch) -> torch.Tensor:
     """Identity: every response token carries its sample's advantage."""
     return token_advantages
+
+
+ENTROPY_ALPHA, ENTROPY_KAPPA = 0.4, 2.0  # the entropy-based shaping's published constants
+
+
+def entropy_shaping(token_advantages: torch.Tensor, batch) -> torch.Tensor:
+    """Entropy-based advantage shaping (train.token_shaping=entropy; MSSR's stabiliser):
+    A_t = A + min(alpha H_t, |A| / kappa), H_t the pre-update policy's entropy at the token
+    (no gradient through it). The term is at most |A| / kappa, so a token's advantage never
+    changes sign and its magnitude stays within (1 + 1/kappa) |A|, where high entropy would
+    otherwise let a rare token's update grow without bound; A = 0 stays 0."""
+    h = batch.policy_entropy[:, :token_advantages.shape[1]]
+    bonus = torch.minimum(ENTROPY_ALPHA * h, token_advantages.abs() / ENTROPY_KAPPA)
+    return token_advantages + bonus
+
+
+entropy_shaping.needs_policy_stats = True  # Trainer.prepare fills Batch.policy_entropy
 
 
 def compute_advantages(name: str, x: AdvantageInputs,

@@ -129,6 +129,10 @@ def test_trainer_state_restores_the_next_update_exactly(tiny):
     ("group_size", ["control.group_size=v0", "task.train_size=24"]),
     ("icl_seeding", ["control.icl_seeding.exemplars=1", "control.icl_seeding.after=1",
                      "task.train_size=24"]),
+    # MSSR: one rollout a prompt, each sample's baseline from the checkpointed tracker
+    ("baseline", ["generate.group_size=1", "train.advantage=mssr", "control.baseline=running",
+                  "filter.drop_equal_reward_groups=false", "train.token_shaping=entropy",
+                  "task.train_size=24"]),
     # an engine in a child process: its seed stream is saved through the engine's state API
     ("engine", ["sync.transport=process"]),
 ])

@@ -18,6 +18,7 @@ import random
 from collections.abc import Iterator
 
 from rollwise.stages.control.base import build_selector
+from rollwise.stages.control.baseline import Baseline
 from rollwise.stages.control.group_size import Profile, build_group_sizer
 from rollwise.stages.control.inflight import build_inflight
 from rollwise.stages.control.seed_icl import IclSeeder
@@ -67,6 +68,7 @@ class Control:
         self.refill = Refill(cfg)
         self.sizer = build_group_sizer(cfg)
         self.seeder = IclSeeder(cfg) if cfg.control.icl_seeding.exemplars > 0 else None
+        self.baseline = Baseline(cfg) if cfg.control.baseline != "none" else None
         self.profile: Profile | None = None  # set by the loop: (problems, k, ledger) -> outcomes
 
     def bind(self, **context) -> None:
@@ -104,9 +106,9 @@ class Control:
     def metrics(self) -> dict[str, float]:
         """The selector's, the group sizer's and the in-flight controller's own numbers for
         this step (what VADE's draws picked, XRPO's group sizes, ARRoL's head AUC)."""
-        seeding = self.seeder.metrics() if self.seeder is not None else {}
+        extra = [p.metrics() for p in (self.seeder, self.baseline) if p is not None]
         return {**self.selector.metrics(), **self.sizer.metrics(), **self.inflight.metrics(),
-                **seeding}
+                **{k: v for m in extra for k, v in m.items()}}
 
     def _profile(self, problems: list[Problem], k: int, ledger: Ledger
                  ) -> dict[str, tuple[int, int]]:
@@ -139,6 +141,8 @@ class Control:
         self.selector.observe(outcomes, step)
         self.inflight.observe(scored, step)  # a learned controller (ARRoL's quality head)
         self.sizer.observe(scored, step)  # CurES's gradient norms, V0's history
+        if self.baseline is not None:  # each sample's baseline from earlier steps (MSSR)
+            self.baseline.annotate(scored, step)
         if self.seeder is not None:
             self.seeder.observe(scored, step)
         if self.curriculum is not None:
@@ -148,4 +152,4 @@ class Control:
         """The stateful parts, for checkpoints."""
         return {"selector": self.selector, "inflight": self.inflight,
                 "curriculum": self.curriculum, "group_size": self.sizer,
-                "icl_seeding": self.seeder}
+                "icl_seeding": self.seeder, "baseline": self.baseline}
