@@ -192,8 +192,9 @@ def test_every_seam_takes_a_known_name_or_a_dotted_path_and_lists_the_known_ones
     """A dotted path is imported when the config is loaded, before any work: a misspelt
     module or attribute, or an object that is not a class or function, stops there."""
     from rollwise import registry
+    needs = {"mssr": ["control.baseline=running"]}  # a name that needs a companion setting
     for name in registry.names(kind):  # every built-in name validates, imports nothing
-        load_config(None, [f"{key}={name}"])
+        load_config(None, [f"{key}={name}", *needs.get(name, [])])
     assert load_config(None, [f"{key}=fractions:Fraction"])  # any class or function imports
     for wrong, says in (("my_pkg.mod:Thing", "cannot import my_pkg.mod:Thing "
                                              "(ModuleNotFoundError"),

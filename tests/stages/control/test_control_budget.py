@@ -37,7 +37,8 @@ BATCH_LEVEL = ["reinforce_pp", "reinforce_pp_baseline", "gdpo"]  # whitened over
 # the prefix continued, or the tree's node values): groups of repeats, not prompt groups
 # (tests/agents/test_agent_credit.py and tests/agents/test_agent_trace_tree.py check them on
 # hand examples)
-META_KEYED = ["cod", "trace", "trace_tree"]
+META_KEYED = ["cod", "trace", "trace_tree", "mssr"]  # mssr: each sample's own baseline
+# (tests/stages/control/test_baseline_mssr.py)
 
 
 def test_every_registered_estimator_is_classified_here():
