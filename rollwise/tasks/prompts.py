@@ -51,7 +51,7 @@ class Prompter:
         self.chat = cfg.chat_template == "on" or (
             cfg.chat_template == "auto" and has_template and not plain_task)
         self.stop_ids = stop_ids(tokenizer, model_config, self.chat)
-        self._texts: dict[str, str] = {}
+        self._texts: dict[tuple, str] = {}
 
     @classmethod
     def plain(cls, tokenizer) -> "Prompter":
@@ -124,10 +124,13 @@ class Prompter:
         chat template's text with its special tokens (decoded once per problem)."""
         if not self.chat:
             return self.render_text(problem.prompt)
-        if problem.id not in self._texts:
-            self._texts[problem.id] = self.tokenizer.decode(self.ids(problem),
-                                                            skip_special_tokens=False)
-        return self._texts[problem.id]
+        ids = self.ids(problem)
+        # keyed by the ids too: a copy of a problem asked another way (XRPO's seeded prompts
+        # keep the prompt's id) is stored with the text it was asked with
+        key = (problem.id, len(ids), hash(tuple(ids)))
+        if key not in self._texts:
+            self._texts[key] = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self._texts[key]
 
 
 def stop_ids(tokenizer, model_config: Any = None, chat: bool = True) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 (tests/chat_model.py): prompt ids, stop tokens, answers, and short runs on a conversational
 JSONL and on a reasoning-gym task."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,6 +59,13 @@ def test_prompt_ids_are_the_chat_templates_with_system_prompt_and_template(tok):
     assert conv.prompt_ids is prompter.ids(conv)  # made once, then reused
     assert prompter.text(conv) == tok.apply_chat_template(
         prompter.messages(conv.prompt), add_generation_prompt=True, tokenize=False)
+    # a copy asked another way under the same id (a seeded prompt) has its own text
+    other = dataclasses.replace(conv, prompt=[{"role": "user", "content": "1+1?"},
+                                              {"role": "assistant", "content": "2"},
+                                              *ROWS[0]["prompt"][1:]], prompt_ids=None)
+    assert prompter.text(other) == tok.apply_chat_template(
+        prompter.messages(other.prompt), add_generation_prompt=True, tokenize=False)
+    assert prompter.text(other) != prompter.text(conv)
 
 
 def test_plain_prompts_without_a_template_and_for_builtin_tiers(tok):
