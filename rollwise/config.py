@@ -830,6 +830,13 @@ class TrainConfig(Section):
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated responses leave the loss. (DAPO's soft overlong
     punishment is a reward: the filter's `length` channel.)"""
+    subsample: int | None = Field(None, ge=1)
+    """BroRL: train k rollouts of each group, drawn uniformly; advantages from the whole
+    group, each trained rollout weighing n/k and the rest counted in the loss's denominators,
+    so the expected update is the whole group's. None: all."""
+    mass_balance: bool = False
+    """Report the responses' own-token probability before and after each update, correct and
+    wrong, trained and left out (train/mass/*; one more forward pass a step)."""
     downsample: Literal["none", "d3s"] = "none"
     """d3s: train each group's max-advantage-variance subset of rollouts and, of their tokens,
     those with the largest |A| x entropy, on a schedule that relaxes to all (train.d3s.*);

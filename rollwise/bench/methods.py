@@ -36,6 +36,7 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | dora | a search from the warm start: DORA against by-candidate | - | dora_pass1_delta |
 | d3s | D3S down-sampling of samples and tokens | grpo | d3s_tokens_to_target_ratio |
 | mssr | single rollouts, entropy shaping, on the pool | pool | mssr_tokens_to_target_ratio |
+| brorl | 4x the rollouts per prompt, an unbiased quarter trained | grpo | brorl_pass1_delta |
 
 The dora arm trains nothing: per seed, it searches the held-out set from the warm start with
 --search-budget rollouts per prompt (run.search.*) twice, spread by DORA and by candidate, on
@@ -114,6 +115,8 @@ ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
                           "control.icl_seeding.exemplars=2", "control.icl_seeding.after=1"], []),
     "dora": (None, ["run.eval_temperature=1.0"], []),
     "d3s": ("grpo", ["train.downsample=d3s"], []),
+    "brorl": ("grpo", ["generate.group_size=32", "train.subsample=8",
+                       "train.mass_balance=true"], []),
     "mssr": ("pool", ["generate.group_size=1", "train.advantage=mssr",
                       "control.baseline=running", "train.token_shaping=entropy",
                       "filter.drop_equal_reward_groups=false"], []),
@@ -197,6 +200,9 @@ def cached_profile(path: Path, config: str | None, overrides: list[str], init: s
     return prof
 
 
+MASS = ("sampled_correct", "unsampled_correct", "sampled_wrong", "unsampled_wrong")
+
+
 class Diagnostics:
     """Each step's method diagnostics, summed or averaged over the run."""
 
@@ -229,7 +235,9 @@ class Diagnostics:
             "v0_brier": m.get("control/v0/brier"), "v0_auc": m.get("control/v0/auc"),
             "v0_brier_const": m.get("control/v0/brier_const"),
             "seeded": m.get("control/icl_seeding/seeded", 0.0),
-            "loss_tokens": m.get("tokens/trained", 0.0), "decoded": m["tokens/decoded"]})
+            "loss_tokens": m.get("tokens/trained", 0.0), "decoded": m["tokens/decoded"],
+            # BroRL's mass balance: each class's own-token probability change in the update
+            **{f"mass_{k}": m.get(f"train/mass/{k}_delta") for k in MASS}})
         print(f"{self.label}: step {run.current_step}, {self.used:.0f}/{self.budget:.0f} "
               f"tokens, mixed {self.steps[-1]['mixed']:.2f}, mean length "
               f"{self.steps[-1]['length']:.1f}", file=sys.stderr, flush=True)
@@ -259,7 +267,8 @@ class Diagnostics:
                 "seeded": sum(x.get("seeded", 0.0) for x in s),
                 # tokens the loss saw over tokens decoded (D3S trains a share)
                 "trained_share": sum(x.get("loss_tokens", 0.0) for x in s)
-                / max(sum(x.get("decoded", 0.0) for x in s), 1)}
+                / max(sum(x.get("decoded", 0.0) for x in s), 1),
+                **{f"mass_{k}": _mean_known(x.get(f"mass_{k}") for x in s) for k in MASS}}
 
 
 def _mean_known(values) -> float | None:
@@ -400,6 +409,8 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
             "d3s_tokens_to_target_ratio": ratio("d3s", "tokens_to_target"),
             "mssr_tokens_to_target_ratio": ratio("mssr", "tokens_to_target"),
             "mssr_steps_to_target_ratio": ratio("mssr", "steps_to_target"),
+            "brorl_pass1_delta": paired("brorl", "final_pass1"),
+            "brorl_tokens_to_target_ratio": ratio("brorl", "tokens_to_target"),
             "dora_pass1_delta": (statistics.mean(r["dora_acc"] - r["solution_acc"]
                                                  for r in searched) if searched else None)}
     if searched:
@@ -415,7 +426,7 @@ HEADLINE = ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_
             "xrpo_tokens_to_target_ratio", "vade_tokens_to_target_ratio",
             "insight_tokens_to_target_ratio", "cures_pass1_delta", "v0_brier",
             "xrpo_icl_tokens_to_target_ratio", "dora_pass1_delta",
-            "d3s_tokens_to_target_ratio", "mssr_tokens_to_target_ratio")
+            "d3s_tokens_to_target_ratio", "mssr_tokens_to_target_ratio", "brorl_pass1_delta")
 
 
 def arm_list(text: str) -> list[str]:
@@ -458,6 +469,8 @@ DIAGNOSTICS = {
     "xrpo_icl": ("seeded", "group_smallest", "group_largest", "mixed_share"),
     "d3s": ("trained_share", "mixed_share"),
     "mssr": ("steps_to_target", "trained_share"),
+    "brorl": ("mixed_share", "trained_share", "mass_sampled_correct", "mass_unsampled_correct",
+              "mass_sampled_wrong", "mass_unsampled_wrong"),
 }
 
 
@@ -467,6 +480,8 @@ def _fmt(v) -> str:
     if isinstance(v, list):  # the quality head's AUC per step
         aucs = [x["auc"] if isinstance(x, dict) else x for x in v]
         return f"{aucs[0]:.2f} → {aucs[-1]:.2f}" if aucs else "–"
+    if 0 < abs(v) < 1e-3:  # BroRL's mass changes
+        return f"{v:.1e}"
     return f"{v:.3f}" if abs(v) < 10 else f"{v:.0f}"
 
 

@@ -31,6 +31,7 @@ from rollwise.training.advantages import (
     get_token_shaping,
     no_shaping,
 )
+from rollwise.training.broad import mass_balance, subsample_rows
 from rollwise.training.confidence import echo_clip, policy_token_stats
 from rollwise.training.downsample import keep_fraction, sample_keep, token_keep
 from rollwise.training.head import captured_head, chunk_tokens, fusable
@@ -141,6 +142,7 @@ class Prepared:
     # (train.loss_denominator = generated), spread over the minibatches by their share of rows
     absent: tuple[float, float] = (0.0, 0.0)
     clip: torch.Tensor | None = None  # (B, 1) per-sequence clip eps (train.adaptive_clip)
+    before: torch.Tensor | None = None  # (B, T-1) the pre-update log-probs (train.mass_balance)
 
     def rows(self, idx: torch.Tensor, T: int) -> dict[str, torch.Tensor | None]:
         cut = lambda x: None if x is None else x[idx][:, :T]  # noqa: E731
@@ -495,7 +497,16 @@ class Trainer:
             mask = self._drop(mask, 1 - chosen_positions(samples, mask.shape), "chosen", m)
         if cfg.downsample == "d3s":
             mask = self._d3s(batch, ent, mask, m)
+        absent, row_w = (0.0, 0.0), None
+        if cfg.subsample:  # BroRL: an unbiased k of each group, the rest in the denominators
+            gen = torch.Generator().manual_seed(self.seed * 7919 + self.version)
+            keep, row_w = subsample_rows(batch.group_index, cfg.subsample, gen)
+            left = (mask.sum(-1) > 0) & ~keep
+            absent = (float(left.sum()), float(mask[left].sum()))
+            mask = self._drop(mask, keep.float()[:, None], "subsample", m)
         anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
+        if row_w is not None:
+            weights = weights * row_w[:, None]
         sample_w = torch.tensor([s.weight for s in samples], dtype=weights.dtype)
         if (sample_w != 1).any():  # a sample kept with probability q counts 1/q times (DUET)
             weights = weights * sample_w[:, None]
@@ -505,7 +516,8 @@ class Trainer:
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
         return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm,
-                        first_pass, clip=clip), m
+                        first_pass, absent=absent, clip=clip,
+                        before=prox if cfg.mass_balance else None), m
 
     def _d3s(self, batch: Batch, entropy: torch.Tensor, mask: torch.Tensor,
              m: dict[str, float]) -> torch.Tensor:
@@ -520,6 +532,15 @@ class Trainer:
         mask = self._drop(mask, token_keep(score_adv, entropy, mask, rt), "d3s_token", m)
         m["d3s/sample_share"], m["d3s/token_share"] = rs, rt
         return mask
+
+    @torch.no_grad()
+    def _mass_balance(self, prep: Prepared, groups: list[Group]) -> dict[str, float]:
+        """BroRL's diagnostic: the responses' own-token probabilities before and after this
+        update, correct and wrong, trained and left out (rollwise.training.broad)."""
+        after, _ = self.logprobs(self.model, prep.batch)
+        correct = torch.tensor([s.reward >= 1.0 for g in groups for s in g.samples])
+        trained = prep.mask.sum(-1) > 0
+        return mass_balance(prep.before, after, prep.batch.loss_mask, correct, trained)
 
     def _policy_stats(self, batch: Batch, m: dict[str, float]) -> torch.Tensor | None:
         """The pre-update policy's entropy and top-5 confidence on the batch, where the token
@@ -583,8 +604,9 @@ class Trainer:
         prep, m = self.prepare(groups, orders[0].chunk(n_chunks)[0])
         if self.cfg.loss_denominator == "generated":
             lengths = [sum(s.loss_mask) for g in dropped for s in g.samples]
-            prep.absent = (float(sum(n > 0 for n in lengths)), float(sum(lengths)))
-            m["loss_denominator_dropped_samples"] = prep.absent[0]
+            dropped_seqs = float(sum(n > 0 for n in lengths))
+            prep.absent = (prep.absent[0] + dropped_seqs, prep.absent[1] + float(sum(lengths)))
+            m["loss_denominator_dropped_samples"] = dropped_seqs
         metrics.update({f"train/{k}": v for k, v in m.items()})
         sums: dict[str, float] = {}
         n_mb = 0
@@ -596,6 +618,8 @@ class Trainer:
                 n_mb += 1
         metrics.update({f"train/{k}": (v if k.endswith(("_max", "_min")) else v / n_mb)
                         for k, v in sums.items()})
+        if prep.before is not None:
+            metrics.update({f"train/{k}": v for k, v in self._mass_balance(prep, groups).items()})
         metrics["train/tokens"] = float(prep.mask.sum())
         metrics["train/minibatches"] = float(n_mb)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
