@@ -68,6 +68,9 @@ def test_every_named_choice_updates_and_stays_finite(tiny, groups, advantage, lo
                 s.meta["trace_anchor"] = f"{g.prompt_id}@0"
                 if advantage == "trace_tree" and j == 0:  # a root cut after its first token
                     s.meta["trace_cuts"] = [[1, f"{g.prompt_id}/{j}@1"]]
+    if advantage == "mssr":  # each sample's baseline, as control.baseline puts it there
+        for s in (s for g in gs for s in g.samples):
+            s.meta["baseline"] = 0.4
     metrics = Trainer(m, cfg, pad_id=tok.pad_token_id).update(gs)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert all(v == v for v in metrics.values())  # no NaN metric
