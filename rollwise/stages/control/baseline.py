@@ -36,9 +36,8 @@ class Baseline:
         k = self.decay ** max(step - entry[2], 0)
         return entry[0] * k, entry[1] * k
 
-    def value(self, pid: str, prompt, step: int) -> float:
-        if self.v0 is not None:
-            return self.v0.predict([prompt_text(prompt)], step)[0]
+    def value(self, pid: str, step: int) -> float:
+        """running: the prompt's baseline at `step` from what was learned before it."""
         s_all, w_all = self._decayed(self.total, step)
         m = s_all / w_all if w_all > 0 else 0.5
         s, w = self._decayed(self.prompts.get(pid, [0.0, 0.0, step]), step)
@@ -46,17 +45,18 @@ class Baseline:
 
     def annotate(self, scored: list[Group], step: int) -> None:
         """Each sample's baseline from earlier steps; then this step's rewards are learned."""
-        values = []
-        for g in scored:
-            b = self.value(g.prompt_id, g.problem.prompt if g.problem else "", step)
+        texts = [prompt_text(g.problem.prompt) if g.problem else "" for g in scored]
+        values = self.v0.predict(texts, step) if self.v0 is not None else \
+            [self.value(g.prompt_id, step) for g in scored]
+        for g, b in zip(scored, values):
             for s in g.samples:
                 s.meta["baseline"] = b
-            values.append(b)
-        for g in scored:
-            self._learn(g, step)
-        if self.v0 is not None:
-            self.v0.observe([Record(prompt_text(g.problem.prompt), sum(g.rewards),
-                                    len(g.samples), step) for g in scored if g.problem])
+        if self.v0 is not None:  # one batched prediction above; the history learns now
+            self.v0.observe([Record(t, sum(g.rewards), len(g.samples), step)
+                             for g, t in zip(scored, texts)])
+        else:
+            for g in scored:
+                self._learn(g, step)
         self.last = {"control/baseline/mean": sum(values) / len(values)} if values else {}
 
     def _learn(self, g: Group, step: int) -> None:
