@@ -39,6 +39,7 @@ def Seam(kind: str, key: str):  # noqa: N802 (a type)
 
 EngineBackendName = Seam("engine", "engine.backend")
 GenerateStrategyName = Seam("generator", "generate.strategy")
+ProcessVerifierName = Seam("process_verifier", "generate.scope.verifier")
 GenerateAgentName = Seam("agent", "generate.agent")
 ControlSelectorName = Seam("selector", "control.selector")
 ControlInflightName = Seam("inflight", "control.inflight")
@@ -292,6 +293,42 @@ class EchoConfig(Section):
         return self
 
 
+class ScopeConfig(Section):
+    """SCOPE's step-wise rectification of failed rollouts (docs/methods.md#scope)."""
+    verifier: ProcessVerifierName | None = None
+    """The process verifier that finds a failed response's first wrong step and writes the
+    right one: columns (the stepped tiers' scratchpads), equations (every `a + b = c` in
+    free text), or 'package.module:factory' (rollwise.stages.filter.process); None: off."""
+    per_group: int = Field(2, ge=1)
+    """Failed rollouts rectified per group at most (those with the longest right prefix)."""
+    max_solved: float = Field(0.5, ge=0, le=1)
+    """Only groups whose share of correct rollouts is at most this are rectified: where most
+    rollouts are right, a failure is itself the signal."""
+
+
+class NudgeConfig(Section):
+    """NudgeRL's strategy contexts (generate.strategy=nudge; docs/methods.md#nudgerl)."""
+    contexts: list[str] = []
+    """Short strategy hints, e.g. "work from the last digit"; with contexts_file, both."""
+    contexts_file: str | None = None
+    """A text file with one context per line (blank lines and '#' lines skipped)."""
+    per_prompt: int = Field(2, ge=1)
+    """Contexts a prompt's group is split over (the group's rollouts shared out evenly)."""
+    plain_share: float = Field(0.5, ge=0, le=1)
+    """Each rollout is asked plainly, without its context, with this probability."""
+    draw: Literal["random", "sequential"] = "random"
+    """How a prompt's contexts are drawn: at random, or the list in turn."""
+    template: str = "{prompt}\n\nStrategy: {context}"
+    """How a context joins the prompt's last user message ({prompt} and {context})."""
+
+    @model_validator(mode="after")
+    def _check_template(self):
+        if "{prompt}" not in self.template or "{context}" not in self.template:
+            raise ValueError(f"generate.nudge.template = {self.template!r}: it must hold "
+                             f"{{prompt}} and {{context}}")
+        return self
+
+
 class GenerateConfig(Section):
     strategy: GenerateStrategyName = "group"
     """How trajectories are proposed: group (i.i.d. samples per prompt), latr or echo (tree
@@ -332,6 +369,8 @@ class GenerateConfig(Section):
     latr: LatrConfig = LatrConfig()
     echo: EchoConfig = EchoConfig()
     trace: TraceConfig = TraceConfig()
+    scope: ScopeConfig = ScopeConfig()
+    nudge: NudgeConfig = NudgeConfig()
 
 
 class SandboxConfig(Section):
@@ -771,6 +810,17 @@ class SharpenConfig(Section):
     """kappa: the bonus is at most kappa times the response's own advantage."""
 
 
+class TrainNudgeConfig(Section):
+    """NudgeRL's objective (train.advantage=nudge and the distillation term;
+    docs/methods.md#nudgerl)."""
+    inter_weight: float = Field(1.1, ge=0)
+    """lambda: a nudged rollout's advantage is (r - its context's mean) + lambda (its
+    context's mean - the group's mean); a plain one's r - the group's mean."""
+    distill_coef: float = Field(0.1, ge=0)
+    """Weight of the distillation term: each nudged response trained again as the answer to
+    the plain prompt with the same advantage (0: off)."""
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
     world_size: int = Field(1, ge=1)
@@ -782,9 +832,11 @@ class TrainConfig(Section):
     per-slot baselines, RED), trace (TRACE: each reward less its anchor's mean), trace_tree
     (TRACE with per-turn credit: each turn's value after less its baseline before, from the
     whole tree), xrpo (GRPO with XRPO's novelty-aware sharpening, train.sharpen.*), mssr
-    (single-rollout: the reward less the sample's group-free baseline, control.baseline), or
+    (single-rollout: the reward less the sample's group-free baseline, control.baseline),
+    nudge (NudgeRL's split into within- and between-context parts, train.nudge.*), or
     'package.module:function'."""
     sharpen: SharpenConfig = SharpenConfig()
+    nudge: TrainNudgeConfig = TrainNudgeConfig()
     reward_weights: dict[str, float] = {}
     """GDPO: weight of each reward channel (Sample.rewards); a channel not named weighs 1."""
     advantage_clip: float | None = Field(None, gt=0)
@@ -1081,6 +1133,20 @@ class Config(Section):
         if self.train.advantage == "mssr" and self.control.baseline == "none":
             raise ValueError("train.advantage = mssr subtracts a baseline that needs no group: "
                              "set control.baseline = running (or v0)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_nudge(self):
+        n = self.generate.nudge
+        if self.generate.strategy == "nudge" and not (n.contexts or n.contexts_file):
+            raise ValueError("generate.strategy = nudge conditions rollouts on strategy "
+                             "contexts: give generate.nudge.contexts (a list of short hints) "
+                             "or generate.nudge.contexts_file (one per line)")
+        if self.train.nudge.distill_coef > 0 and self.generate.strategy == "nudge" and (
+                self.train.downsample != "none" or self.train.subsample):
+            raise ValueError("train.nudge.distill_coef > 0 adds distillation rows that "
+                             "train.downsample and train.subsample would count as group "
+                             "members: set train.nudge.distill_coef = 0, or turn those off")
         return self
 
     @model_validator(mode="after")

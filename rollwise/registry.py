@@ -29,7 +29,8 @@ BUILTIN: dict[str, dict[str, str]] = {
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),
         ("reinforce_pp", "reinforce_pp"), ("reinforce_pp_baseline", "reinforce_pp_baseline"),
         ("mc_grpo", "mc_grpo"), ("gdpo", "gdpo"), ("cod", "cod"), ("trace", "trace"),
-        ("trace_tree", "trace_tree"), ("xrpo", "xrpo"), ("mssr", "mssr"))},
+        ("trace_tree", "trace_tree"), ("xrpo", "xrpo"), ("mssr", "mssr"),
+        ("nudge", "nudge"))},
     # fn(token_advantages (B, T), batch) -> (B, T)
     "token_shaping": {"none": "rollwise.training.advantages:no_shaping",
                       "echo": "rollwise.training.confidence:echo_shaping",
@@ -48,6 +49,9 @@ BUILTIN: dict[str, dict[str, str]] = {
         ("exact", "exact"), ("math", "math"), ("math_verify", "math"), ("gym", "gym"),
         ("code", "code"), ("format", "format"), ("length", "length"), ("judge", "judge"),
         ("majority", "majority"), ("env", "env"))},
+    # factory(cfg) -> ProcessVerifier: the first wrong step of a response and its correction
+    "process_verifier": {"columns": "rollwise.stages.filter.process:ColumnSteps",
+                         "equations": "rollwise.stages.filter.process:EquationSteps"},
     # factory(cfg) -> Selector
     "selector": {"uniform": "rollwise.stages.control.select_uniform:UniformSelector.build",
                  "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",
@@ -62,7 +66,8 @@ BUILTIN: dict[str, dict[str, str]] = {
                   "episode": "rollwise.agents.episode:EpisodeGenerator",
                   "trace": "rollwise.agents.trace_rollout:TraceGenerator",
                   "cod": "rollwise.agents.pack_play:CoDGenerator",
-                  "agent": "rollwise.serve.agent:AgentGenerator"},
+                  "agent": "rollwise.serve.agent:AgentGenerator",
+                  "nudge": "rollwise.stages.generate.nudge:NudgeGenerator"},
     # function(problem, client) -> reward or final answer: an agent written against the OpenAI
     # client (generate.strategy=agent; rollwise.serve.agent). No built-in ones.
     "agent": {},

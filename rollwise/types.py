@@ -76,6 +76,10 @@ class Sample:
     """Response indices of tokens chosen by a tree (LATR's second-best token, ECHO's top-w
     alternatives) rather than sampled. Their behaviour log-probability is still that of the
     distribution they came from; train.chosen_tokens decides how the loss treats them."""
+    off_policy: list[int] = field(default_factory=list)
+    """Response indices of tokens no policy sampled: written by a corrector (SCOPE's
+    corrected step). Their behaviour log-probability is 0 (a deterministic writer); the
+    trainer takes the pre-update policy's in its place, so no behaviour correction applies."""
     meta: dict[str, Any] = field(default_factory=dict)  # task data: answer, tier, text
 
     def extend(self, tokens: list[int], logprobs: list[float], versions: list[int],
@@ -95,6 +99,7 @@ class Sample:
         for name in ("response_ids", "logprobs", "versions", "loss_mask", "entropies"):
             setattr(self, name, getattr(self, name)[:n])
         self.chosen = [i for i in self.chosen if i < n]
+        self.off_policy = [i for i in self.off_policy if i < n]
 
     def fork(self) -> "Sample":
         """A child that continues from this sample's current end (its lineage: this parent
@@ -104,7 +109,8 @@ class Sample:
             branch_point=self.num_tokens, response_ids=list(self.response_ids),
             logprobs=list(self.logprobs), versions=list(self.versions),
             loss_mask=list(self.loss_mask), entropies=list(self.entropies),
-            chosen=list(self.chosen), rewards={}, meta=dict(self.meta))
+            chosen=list(self.chosen), off_policy=list(self.off_policy), rewards={},
+            meta=dict(self.meta))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, str, numbers): what checkpoints, the store and buffers keep. The

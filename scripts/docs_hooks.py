@@ -10,6 +10,7 @@ configs/default.yaml).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def _rows(section, prefix: str):
             yield from _rows(value, key)
             continue
         flow = yaml.safe_dump([value], default_flow_style=True, width=10**6).strip()[1:-1]
+        if isinstance(value, str) and "\n" in value:  # one table line: escaped, double-quoted
+            flow = json.dumps(value)
         yield key, flow.replace("|", "\\|"), _one_line(field.description).replace("|", "\\|")
 
 

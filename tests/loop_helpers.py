@@ -104,6 +104,13 @@ def parity(response, problem):
     return float(len(response) % 2), "parity"
 
 
+def first_column(response, problem):
+    """A stepped scratchpad rewarded for its first column alone: a response SCOPE rectified
+    at that column scores higher than the one it rectified."""
+    from rollwise.stages.filter.process import reference_steps
+    return float(response.startswith(reference_steps(problem)[0])), "first column"
+
+
 SHORT_RUN = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
              "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=300",
              "task.eval_size=40", "sft.steps=20", "sft.eval_every=10", "train.steps=3",

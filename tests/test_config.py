@@ -187,12 +187,14 @@ def test_config_show_round_trips(capsys):
     ("train.loss_agg", "aggregation"), ("train.kl_estimator", "kl"),
     ("train.token_shaping", "token_shaping"), ("control.selector", "selector"),
     ("control.inflight", "inflight"), ("generate.strategy", "generator"),
-    ("replay.strategy", "replay"), ("engine.backend", "engine"), ("filter.reward", "verifier")])
+    ("replay.strategy", "replay"), ("engine.backend", "engine"), ("filter.reward", "verifier"),
+    ("generate.scope.verifier", "process_verifier")])
 def test_every_seam_takes_a_known_name_or_a_dotted_path_and_lists_the_known_ones(key, kind):
     """A dotted path is imported when the config is loaded, before any work: a misspelt
     module or attribute, or an object that is not a class or function, stops there."""
     from rollwise import registry
-    needs = {"mssr": ["control.baseline=running"]}  # a name that needs a companion setting
+    needs = {"mssr": ["control.baseline=running"],  # a name that needs a companion setting
+             "nudge": ["generate.nudge.contexts=[a hint]"]}
     for name in registry.names(kind):  # every built-in name validates, imports nothing
         load_config(None, [f"{key}={name}", *needs.get(name, [])])
     assert load_config(None, [f"{key}=fractions:Fraction"])  # any class or function imports

@@ -37,6 +37,13 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | d3s | D3S down-sampling of samples and tokens | grpo | d3s_tokens_to_target_ratio |
 | mssr | single rollouts, entropy shaping, on the pool | pool | mssr_tokens_to_target_ratio |
 | brorl | 4x the rollouts per prompt, an unbiased quarter trained | grpo | brorl_pass1_delta |
+| scope | SCOPE's rectified failures, pool | pool | scope_pass1_delta, scope_diversity_ratio |
+| nudge | NudgeRL's contexts and distillation, pool | pool | nudge_tokens_to_target_ratio |
+
+The mssr arm asks as many prompts a step as its baseline draws rollouts a step (prompts per
+step times group size; the command's overrides come first), so both train on as many
+rollouts a step. The scope arm's process verifier is columns on the stepped tiers and
+equations otherwise; the nudge arm's contexts are configs/nudge-arithmetic.txt.
 
 The dora arm trains nothing: per seed, it searches the held-out set from the warm start with
 --search-budget rollouts per prompt (run.search.*) twice, spread by DORA and by candidate, on
@@ -86,10 +93,14 @@ from rollwise.bench.trees import distinct_answers
 from rollwise.config import load_config
 from rollwise.stages.filter import eval_scorer
 from rollwise.stages.filter.stage import CORRECTNESS, weights_of
+from rollwise.stages.generate.scope import distinct_correct
+from rollwise.store.rollouts import RolloutStore
 from rollwise.tasks import load_task
 from rollwise.tasks.prompts import Prompter
+from rollwise.types import Group
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2.yaml")
+NUDGE_CONTEXTS = str(Path(__file__).resolve().parents[2] / "configs" / "nudge-arithmetic.txt")
 TTRL = ["run.eval_samples=4", "run.eval_temperature=1.0"]  # and ttrl_reward()
 # arm -> (baseline arm, overrides, the profile's methods whose choices it takes)
 ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
@@ -120,12 +131,16 @@ ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
     "mssr": ("pool", ["generate.group_size=1", "train.advantage=mssr",
                       "control.baseline=running", "train.token_shaping=entropy",
                       "filter.drop_equal_reward_groups=false"], []),
+    "scope": ("pool", [], []),  # its process verifier: arm_last
+    "nudge": ("pool", ["generate.strategy=nudge", f"generate.nudge.contexts_file={NUDGE_CONTEXTS}",
+                       "train.advantage=nudge"], []),
 }
 BUDGET_SHARE = {"duet50": 0.5}
 TTRL_ARMS = {"ttrl", "echo_ttrl"}
 # on a recurring prompt pool (--pool): a prompt comes back, so its statistics (and a stuck
 # prompt's seeding) have a next time
-POOLED = {"dynamic", "dps", "pool", "vade", "insight", "cures", "xrpo_icl", "mssr"}
+POOLED = {"dynamic", "dps", "pool", "vade", "insight", "cures", "xrpo_icl", "mssr", "scope",
+          "nudge"}
 TEST_TIME = {"dora"}  # no training: a search on the warm start
 
 
@@ -139,6 +154,20 @@ def with_baselines(arms: list[str]) -> list[str]:
         if a not in out:
             out.append(a)
     return out
+
+
+def arm_last(arm: str, config: str | None, overrides: list[str]) -> list[str]:
+    """Overrides an arm needs after the command's: mssr's prompts a step (its baseline's
+    rollouts a step), scope's process verifier (by the task's tiers)."""
+    if arm == "mssr":
+        cfg = load_config(config, overrides)
+        rollouts = cfg.control.prompts_per_step * cfg.generate.group_size
+        return [f"control.prompts_per_step={rollouts}"]
+    if arm == "scope":
+        cfg = load_config(config, overrides)
+        stepped = cfg.task.name == "arith" and any(t.endswith("s") for t in cfg.task.tiers)
+        return [f"generate.scope.verifier={'columns' if stepped else 'equations'}"]
+    return []
 
 
 def ttrl_reward(config: str | None, overrides: list[str]) -> str:
@@ -296,7 +325,26 @@ def run_arm(config: str | None, overrides: list[str], arm: str, seed: int, token
             "tokens_to_target": hit["tokens"] if hit else t["tokens"],
             "seconds_to_target": hit["seconds"] if hit else t["seconds"],
             "steps_to_target": hit["step"] if hit else t["steps"],
-            **diag.summary(hit["step"] if hit else t["steps"]), "curve": curve}
+            **diag.summary(hit["step"] if hit else t["steps"]), "curve": curve,
+            "distinct_correct": store_diversity(Path(root) / f"{arm}-{seed}")}
+
+
+def store_diversity(run_dir: Path) -> float | None:
+    """Distinct correct responses per generated group over a whole run, read from its rollout
+    store (None when it has none); a rollout SCOPE replaced, or a rectification that did not
+    replace one, is not its group's."""
+    store = RolloutStore(run_dir / "rollouts")
+    if not store.steps():
+        return None
+    samples = store.samples()
+    rectified = [s for s in samples if "scope" in s.meta]
+    aside = {s.meta["scope"]["rectifies"] if s.meta["scope"].get("replaced", True) else s.uid
+             for s in rectified}
+    groups: dict[str, list] = {}
+    for s in samples:
+        if s.uid not in aside:
+            groups.setdefault(s.group_id, []).append(s)
+    return distinct_correct([Group(k, v) for k, v in groups.items()])
 
 
 def run_search(config: str | None, overrides: list[str], seed: int, init: str | None,
@@ -356,6 +404,9 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
     searched = [r for r in runs if r["arm"] == "dora"]
     med = {a: {k: statistics.median(r[k] for r in rs) for k in MEDIANS}
            for a, rs in by.items()}
+    for a, rs in by.items():  # runs recorded before it was kept have their stores read
+        known = [r["distinct_correct"] for r in rs if r.get("distinct_correct") is not None]
+        med[a]["distinct_correct"] = statistics.median(known) if known else None
     for a, rs in by.items():
         med[a]["reached"] = sum(r["reached"] for r in rs)
         med[a]["seeds"] = len(rs)
@@ -378,7 +429,7 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
 
     def ratio(a: str, key: str) -> float | None:
         base = ARMS[a][0]
-        if a not in med or base not in med:
+        if a not in med or base not in med or med[a][key] is None or med[base][key] is None:
             return None
         return med[a][key] / max(med[base][key], 1e-9)
     out: dict = {"medians": med,
@@ -411,6 +462,12 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
             "mssr_steps_to_target_ratio": ratio("mssr", "steps_to_target"),
             "brorl_pass1_delta": paired("brorl", "final_pass1"),
             "brorl_tokens_to_target_ratio": ratio("brorl", "tokens_to_target"),
+            "scope_pass1_delta": paired("scope", "final_pass1"),
+            "scope_diversity_ratio": ratio("scope", "distinct_correct"),
+            "scope_tokens_to_target_ratio": ratio("scope", "tokens_to_target"),
+            "nudge_tokens_to_target_ratio": ratio("nudge", "tokens_to_target"),
+            "nudge_pass1_delta": paired("nudge", "final_pass1"),
+            "nudge_diversity_ratio": ratio("nudge", "distinct_correct"),
             "dora_pass1_delta": (statistics.mean(r["dora_acc"] - r["solution_acc"]
                                                  for r in searched) if searched else None)}
     if searched:
@@ -426,7 +483,8 @@ HEADLINE = ("latr_tokens_to_target_ratio", "latr_mixed_share_ratio", "echo_ttrl_
             "xrpo_tokens_to_target_ratio", "vade_tokens_to_target_ratio",
             "insight_tokens_to_target_ratio", "cures_pass1_delta", "v0_brier",
             "xrpo_icl_tokens_to_target_ratio", "dora_pass1_delta",
-            "d3s_tokens_to_target_ratio", "mssr_tokens_to_target_ratio", "brorl_pass1_delta")
+            "d3s_tokens_to_target_ratio", "mssr_tokens_to_target_ratio", "brorl_pass1_delta",
+            "scope_pass1_delta", "scope_diversity_ratio", "nudge_tokens_to_target_ratio")
 
 
 def arm_list(text: str) -> list[str]:
@@ -580,7 +638,8 @@ def main(argv: list[str]) -> int:
                + ([f"task.train_size={args.pool}"] if a in POOLED else [])
                + ([f"control.sgpo.profile_prompts={args.sgpo_prompts}"] if a == "sgpo" else [])
                + ([f"run.eval_samples={args.search_budget}"] if a in TEST_TIME else [])
-               + args.overrides + threads for a in arms}  # the command's overrides win
+               + args.overrides + threads + arm_last(a, config, base)
+               for a in arms}  # the command's overrides win, but for arm_last
     settings = {a: settings_key(config, per_arm[a], args.tokens, args.eval_tokens, args.gain,
                                 init) for a in arms}
     log = Path(args.root) / "runs.jsonl"
@@ -593,6 +652,9 @@ def main(argv: list[str]) -> int:
     new, failed = execute(_run, jobs, args.jobs, log,
                           lambda j: {"arm": j[2], "seed": j[3]}, append=not args.fresh)
     runs = [r for r in done + new if r["arm"] in arms and r["seed"] in args.seeds]
+    for r in runs:
+        if r.get("distinct_correct") is None and r["arm"] not in TEST_TIME:
+            r["distinct_correct"] = store_diversity(Path(args.root) / f"{r['arm']}-{r['seed']}")
     out = {"config": args.config, "tokens": args.tokens, "eval_tokens": args.eval_tokens,
            "gain": args.gain, "init": init, "seeds": args.seeds, "arms": arms,
            "overrides": args.overrides, "per_arm": per_arm, "profile": prof,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollwise.stages.generate.scope import distinct_correct
 from rollwise.stages.ledger import Ledger
 from rollwise.types import Group, Status
 
@@ -18,6 +19,9 @@ class StepResult:
     version: int  # the policy version after the update
     decoded: int  # tokens the engine decoded during the step's generation
     dropped: list[Group] = field(default_factory=list)  # scored groups Filter left out
+    # stored, never trained: rollouts SCOPE replaced, and its rectifications that scored no
+    # higher than what they rectified
+    aside: list[Group] = field(default_factory=list)
     replay: dict[str, float] = field(default_factory=dict)
     filter: dict[str, float] = field(default_factory=dict)  # summed over generation rounds
     train: dict[str, float] = field(default_factory=dict)
@@ -49,6 +53,7 @@ def step_metrics(r: StepResult) -> dict[str, float]:
         "step": r.step, "reward/mean": sum(s.reward for s in scored) / max(len(scored), 1),
         "groups/mixed_share": sum(g.is_mixed for g in r.scored) / len(r.scored),
         "groups/scored": len(r.scored), "groups/trained": len(r.trained),
+        "groups/distinct_correct": distinct_correct(r.scored),
         "tokens/batch": sum(s.num_tokens for g in r.trained for s in g.samples),
         "tokens/stale": sum(v < r.version - 1 for v in trained),
         # versions between the policy updated (r.version - 1) and its oldest trained token

@@ -42,6 +42,7 @@ from rollwise.stages.generate import (
     extend_groups,
     generate_round,
     run_to_end,
+    scope,
 )
 from rollwise.stages.generate.group import new_sample, sampling_params
 from rollwise.stages.ledger import Ledger
@@ -198,7 +199,9 @@ class Run:
             self.filter.attach_engine(self.engine, self.tokenizer)
         self.control = Control(cfg, self.task, self.rng)
         self.generator = build_generator(cfg, self.tokenizer)
+        self.scope = scope.Scope(cfg, self.tokenizer) if cfg.generate.scope.verifier else None
         self.prompter = Prompter.for_task(cfg.task, self.tokenizer, self.task, model)
+        self.generator.bind(prompter=self.prompter)
         self.say_unknown_characters()
         for key in self.filter.unbounded():
             progress.log(f"reward {key!r} runs in this process with no time limit (it cannot "
@@ -257,6 +260,7 @@ class Run:
             self.progress.phase("score")
             _add(r.filter, self.filter.score(groups))                          # Filter
             self.extend(groups, r, ledger)  # DARS: more samples for hard prompts
+            self.rectify(groups, r, ledger)  # SCOPE: failed rollouts corrected at a step
             r.scored += groups  # stored as scored: an unscored sample with its reason
             for g in [scored_part(g, ledger) for g in groups]:  # it is never trained
                 (kept if keep(self.filter, g, ledger) else r.dropped).append(g)
@@ -268,7 +272,8 @@ class Run:
         r.decoded = self.engine.tokens_generated - decoded0
         r.engine = self.engine.metrics()  # Ray's pool: worker deaths, re-queued requests
         r.seconds["gen"] = time.time() - t0
-        self.persist(step, r.scored, {"step_gen_seconds": r.seconds["gen"]})  # on disk first
+        self.persist(step, r.scored + r.aside,  # on disk first
+                     {"step_gen_seconds": r.seconds["gen"]})
         # Control and Replay learn from every scored group, never from an unscored sample
         self.control.observe(learned, step)
         r.control = self.control.metrics()
@@ -303,6 +308,28 @@ class Run:
         ledger.decide("control", "extend", self.cfg.control.group_size, sum(extra))
         self.progress.phase("score")
         _add(r.filter, self.filter.score(added))
+
+    def rectify(self, groups: list[Group], r: StepResult, ledger: Ledger) -> None:
+        """SCOPE: failed rollouts of mostly-wrong groups continued from their first wrong
+        step, corrected, scored, and put in the failed ones' places where they score higher
+        (rollwise.stages.generate.scope); the replaced rollouts, and the rectified ones that
+        did not score higher, are stored, never trained."""
+        if self.scope is None:
+            return
+        todo = self.scope.propose(groups, self.engine.version)
+        if not todo:
+            return
+        self.progress.phase("generate", self.tokens_note())
+        fresh = [Group(t.group.prompt_id, [t.sample], t.group.problem) for t in todo]
+        run_to_end(self.engine, fresh, self.params, ledger, self.gate)
+        ledger.decide("generate", "rectify", self.cfg.generate.scope.verifier, len(todo))
+        self.progress.phase("score")
+        scored = self.filter.score(fresh)  # its counts add up; its means are the round's
+        _add(r.filter, {k: v for k, v in scored.items() if k.startswith(("filter/failed",
+                                                                          "perf/"))})
+        aside, counts = scope.merge(todo)
+        _add(r.filter, counts)
+        r.aside += aside
 
     def profile(self, problems: list, k: int, ledger: Ledger) -> dict[str, tuple[int, int]]:
         """k samples of each prompt under the current policy, scored (sGPO's profiling pass):

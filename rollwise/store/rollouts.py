@@ -48,9 +48,11 @@ SCHEMA = pa.schema([
     ("reward_info", pa.string()), ("prompt_text", pa.string()), ("response_text", pa.string()),
     ("meta", pa.string()), ("timings", pa.string()), ("weight", pa.float64()),
     ("root_uid", pa.string()), ("chosen", pa.list_(pa.int32())),
+    ("off_policy", pa.list_(pa.int32())),
 ])
 """rewards, meta and timings are JSON objects (reward channels, task data, seconds)."""
-OPTIONAL = {"timings", "weight", "root_uid", "chosen"}  # columns that files of older versions lack
+# columns that files of older versions lack
+OPTIONAL = {"timings", "weight", "root_uid", "chosen", "off_policy"}
 
 FILE = re.compile(r"step-(\d{6,})(?:-(\d{2,}))?\.(parquet|jsonl)$")
 
@@ -66,7 +68,8 @@ def row_sample(row: dict) -> Sample:
     return Sample.from_dict({**row, "rewards": json.loads(row["rewards"]),
                              "meta": json.loads(row["meta"]),
                              "weight": 1.0 if row.get("weight") is None else row["weight"],
-                             "chosen": row.get("chosen") or []})
+                             "chosen": row.get("chosen") or [],
+                             "off_policy": row.get("off_policy") or []})
 
 
 def step_of(path: Path) -> int:

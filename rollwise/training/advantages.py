@@ -34,6 +34,7 @@ class AdvantageInputs:
     # that lacks it (GDPO needs every channel on every sample)
     logprob_means: torch.Tensor | None = None  # (N,) mean behaviour log p of trained tokens
     sharpen: tuple[float, float] = (1.0, 0.5)  # XRPO's (lambda, kappa): train.sharpen
+    nudge_inter: float = 1.1  # NudgeRL's lambda: train.nudge.inter_weight
 
 
 @dataclass
@@ -203,6 +204,38 @@ def mssr(x: AdvantageInputs) -> AdvantageOutput:
                          "'baseline'): set control.baseline = running or v0")
     b = torch.tensor([float(m["baseline"]) for m in x.meta])
     return _out(x.rewards.float() - b, baseline_mean=b.mean())
+
+
+def nudge_split(r: torch.Tensor, contexts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group's rewards split as r - mean = intra + inter: a nudged rollout's intra part is
+    r less its context's mean, its inter part that mean less the group's; a plain rollout
+    (context -1) is all intra. Both (G,)."""
+    mean = r.mean()
+    intra, inter = r - mean, torch.zeros_like(r)
+    for c in set(contexts) - {-1}:
+        at = torch.tensor([k == c for k in contexts])
+        intra[at] = r[at] - r[at].mean()
+        inter[at] = r[at].mean() - mean
+    return intra, inter
+
+
+def nudge(x: AdvantageInputs, eps: float = 1e-5) -> AdvantageOutput:
+    """NudgeRL (strategy nudging; docs/methods.md#nudgerl, tally0818/NudgeRL): per group,
+    A = intra + lambda inter (nudge_split, each rollout's context in meta["nudge"], -1 or
+    absent for a plain one), then whitened within the group with the population std (eps
+    added), as the public code does. lambda = 1 is GRPO's centring before whitening."""
+    r = x.rewards.float()
+    contexts = [int(m.get("nudge", -1)) for m in x.meta] if x.meta else [-1] * len(r)
+    adv = torch.zeros_like(r)
+    inter_abs = []
+    for idx in _groups(x.group_index):
+        intra, inter = nudge_split(r[idx], [contexts[i] for i in idx.tolist()])
+        a = intra + x.nudge_inter * inter
+        adv[idx] = (a - a.mean()) / (a.std(unbiased=False) + eps)
+        inter_abs.append(float(inter.abs().mean()))
+    nudged = sum(c >= 0 for c in contexts) / max(len(contexts), 1)
+    return _out(adv, nudged_share=nudged,
+                inter_abs=sum(inter_abs) / max(len(inter_abs), 1))
 
 
 def mc_grpo(x: AdvantageInputs, eps: float = 1e-3) -> AdvantageOutput:

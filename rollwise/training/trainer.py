@@ -143,6 +143,10 @@ class Prepared:
     absent: tuple[float, float] = (0.0, 0.0)
     clip: torch.Tensor | None = None  # (B, 1) per-sequence clip eps (train.adaptive_clip)
     before: torch.Tensor | None = None  # (B, T-1) the pre-update log-probs (train.mass_balance)
+    # (B,) the rows counted in the loss's denominators (None: all); NudgeRL's distillation
+    # rows are not: their term adds to the policy term as the paper's does
+    counted: torch.Tensor | None = None
+    source: torch.Tensor | None = None  # (B,) the sample each row is (a distillation row's)
 
     def rows(self, idx: torch.Tensor, T: int) -> dict[str, torch.Tensor | None]:
         cut = lambda x: None if x is None else x[idx][:, :T]  # noqa: E731
@@ -214,7 +218,8 @@ class Trainer:
         return AdvantageInputs(rewards, gidx, channels, dict(self.cfg.reward_weights),
                                [s.meta for s in samples], tokens, partial,
                                torch.tensor([_logprob_mean(s) for s in samples]),
-                               (self.cfg.sharpen.scale, self.cfg.sharpen.cap))
+                               (self.cfg.sharpen.scale, self.cfg.sharpen.cap),
+                               self.cfg.nudge.inter_weight)
 
     def _version_logprobs(self, batch: Batch, prox: torch.Tensor):
         """pi_v per token from kept snapshots, and where it is known, (B, T-1) each."""
@@ -462,39 +467,56 @@ class Trainer:
         return bool(m["old_logprobs_from_engine"])
 
     @torch.no_grad()
-    def prepare(self, groups: list[Group], first_mb: torch.Tensor | None = None
-                ) -> tuple[Prepared, dict[str, float]]:
+    def prepare(self, groups: list[Group], first_mb: torch.Tensor | None = None,
+                distill: list[tuple[int, Sample]] = ()) -> tuple[Prepared, dict[str, float]]:
         """Old/reference/version log-probs, advantages, masks and weights for one update.
         first_mb: the rows of the first minibatch, whose pass with gradient is taken here and
-        kept for its optimizer step where that is possible (see _first_rows)."""
+        kept for its optimizer step where that is possible (see _first_rows). distill:
+        NudgeRL's distillation rows, (index of the sample they copy, row), after the
+        samples' own rows."""
         cfg, m = self.cfg, {}
         samples = [s for g in groups for s in g.samples]
-        batch = Batch.from_samples(samples, [0.0] * len(samples), self.pad_id,
-                                   [i for i, g in enumerate(groups) for _ in g.samples])
+        n = len(samples)
+        source = torch.tensor(list(range(n)) + [i for i, _ in distill], dtype=torch.long)
+        rows = samples + [d for _, d in distill]
+        gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long)
+        batch = Batch.from_samples(rows, [0.0] * len(rows), self.pad_id,
+                                   gidx[source].tolist())
         rewards = self.rewards(samples)
         kl_reward = self.has_reference() and cfg.kl_mode == "reward"
         adv = None if kl_reward else self._advantages(groups, rewards)
         scalar = adv is not None and not adv.segments  # per-turn credit: a row's scalar may be 0
-        prox, ent, first_pass = self._old_logprobs(
-            batch, self._first_rows(batch, first_mb, adv.advantages if scalar else None), m)
+        # tokens no policy sampled (a corrector's; every token of a distillation row): the
+        # pre-update policy stands in for their behaviour, so no behaviour correction applies
+        unsampled = token_positions(rows, batch.loss_mask.shape, "off_policy")
+        unsampled[n:] = 1.0
+        exact = not unsampled.any()
+        prox, ent, first_pass = self._old_logprobs(batch, self._first_rows(
+            batch, first_mb if exact else None, adv.advantages if scalar else None), m)
+        if not exact:
+            batch.behaviour_logprobs = torch.where(unsampled > 0, prox, batch.behaviour_logprobs)
+            m["off_policy_tokens"] = float((unsampled[:n] * batch.loss_mask[:n]).sum())
+            m["nudge/distill_rows"], m["nudge/distill_tokens"] = \
+                float(len(distill)), float(batch.loss_mask[n:].sum())
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update
         ref = self.reference_logprobs(batch) if self.has_reference() else None
         version_logp, known = self._version_logprobs(batch, prox)
         self._keep_snapshot()
         if kl_reward:  # the KL penalty on the reward, then the advantages
-            seq_kl = (self.kl_fn(prox, ref) * batch.loss_mask).sum(-1)
-            m["kl_ref"] = float((seq_kl.sum() / batch.loss_mask.sum().clamp_min(1)))
+            seq_kl = (self.kl_fn(prox, ref) * batch.loss_mask).sum(-1)[:n]
+            m["kl_ref"] = float((seq_kl.sum() / batch.loss_mask[:n].sum().clamp_min(1)))
             rewards = rewards - cfg.kl_coef * seq_kl
             adv = self._advantages(groups, rewards)
+        adv.advantages, adv.keep = adv.advantages[source], adv.keep[source]
         batch.advantages = adv.advantages
         m.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         m["reward_mean"] = float(rewards.mean())
         mask = self._drop(batch.loss_mask, adv.keep.float()[:, None], "pivot", m)
         if cfg.overlong_filter:  # DAPO: a response cut at the length budget leaves the loss
-            kept = [s.status != Status.TRUNCATED for s in samples]
+            kept = [s.status != Status.TRUNCATED for s in rows]
             mask = self._drop(mask, torch.tensor(kept).float()[:, None], "overlong", m)
         if cfg.chosen_tokens == "mask":
-            mask = self._drop(mask, 1 - chosen_positions(samples, mask.shape), "chosen", m)
+            mask = self._drop(mask, 1 - token_positions(rows, mask.shape, "chosen"), "chosen", m)
         if cfg.downsample == "d3s":
             mask = self._d3s(batch, ent, mask, m)
         absent, row_w = (0.0, 0.0), None
@@ -507,7 +529,7 @@ class Trainer:
         anchor, weights, mask = self._correct(batch, prox, version_logp, known, mask, m)
         if row_w is not None:
             weights = weights * row_w[:, None]
-        sample_w = torch.tensor([s.weight for s in samples], dtype=weights.dtype)
+        sample_w = torch.tensor([s.weight for s in rows], dtype=weights.dtype)
         if (sample_w != 1).any():  # a sample kept with probability q counts 1/q times (DUET)
             weights = weights * sample_w[:, None]
             m["sample_weight_max"] = float(sample_w.max())
@@ -515,9 +537,11 @@ class Trainer:
         token_adv = self.shaping(turn_credit(batch, adv.segments), batch)
         norm = cfg.norm_length or max(int(batch.loss_mask.sum(-1).max()), 1)
         seq_log_w = corr.sequence_log_ratio(prox - batch.behaviour_logprobs, mask)
+        counted = (source == torch.arange(len(rows))) if distill else None
         return Prepared(batch, anchor, weights, mask, token_adv, ref, seq_log_w, norm,
                         first_pass, absent=absent, clip=clip,
-                        before=prox if cfg.mass_balance else None), m
+                        before=prox if cfg.mass_balance else None, counted=counted,
+                        source=source), m
 
     def _d3s(self, batch: Batch, entropy: torch.Tensor, mask: torch.Tensor,
              m: dict[str, float]) -> torch.Tensor:
@@ -538,7 +562,7 @@ class Trainer:
         """BroRL's diagnostic: the responses' own-token probabilities before and after this
         update, correct and wrong, trained and left out (rollwise.training.broad)."""
         after, _ = self.logprobs(self.model, prep.batch)
-        correct = torch.tensor([s.reward >= 1.0 for g in groups for s in g.samples])
+        correct = torch.tensor([s.reward >= 1.0 for g in groups for s in g.samples])[prep.source]
         trained = prep.mask.sum(-1) > 0
         return mass_balance(prep.before, after, prep.batch.loss_mask, correct, trained)
 
@@ -597,11 +621,12 @@ class Trainer:
         if not groups:
             self._step_schedule()
             return metrics
-        size = sum(len(g.samples) for g in groups)
+        distill = distillation_rows(groups, self.cfg.nudge.distill_coef)
+        size = sum(len(g.samples) for g in groups) + len(distill)
         gen = torch.Generator().manual_seed(self.seed * 100003 + self.version)
         orders = [torch.randperm(size, generator=gen) for _ in range(self.cfg.epochs)]
         n_chunks = min(self.optimizer_steps(len(groups)), size)
-        prep, m = self.prepare(groups, orders[0].chunk(n_chunks)[0])
+        prep, m = self.prepare(groups, orders[0].chunk(n_chunks)[0], distill)
         if self.cfg.loss_denominator == "generated":
             lengths = [sum(s.loss_mask) for g in dropped for s in g.samples]
             dropped_seqs = float(sum(n > 0 for n in lengths))
@@ -637,9 +662,10 @@ class Trainer:
         accumulated gradient equals the one of a single pass over the minibatch."""
         first, prep.first = prep.first, None  # only the update's first step has one
         mask = prep.mask[idx]
-        num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
-        if num_tokens == 0:  # everything was dropped: no step (Adam would still move)
+        if mask.sum() == 0:  # everything was dropped: no step (Adam would still move)
             return {"skipped_frac": 1.0}
+        num_tokens, num_seqs = denominators(mask, None if prep.counted is None
+                                            else prep.counted[idx])
         share = len(idx) / prep.batch.size  # this minibatch's share of the dropped groups
         num_seqs, num_tokens = num_seqs + prep.absent[0] * share, \
             num_tokens + prep.absent[1] * share
@@ -818,12 +844,38 @@ def turn_credit(batch: Batch, segments: dict[int, list[tuple[int, float]]]) -> t
     return out
 
 
-def chosen_positions(samples: list[Sample], shape) -> torch.Tensor:
-    """(B, T-1) float, 1 at the target column of every chosen (not sampled) response token."""
+def token_positions(samples: list[Sample], shape, field: str) -> torch.Tensor:
+    """(B, T-1) float, 1 at the target column of every response index a sample lists in
+    `field` (chosen: picked by a tree, not sampled; off_policy: written by a corrector)."""
     out = torch.zeros(shape)
     for i, s in enumerate(samples):
-        if s.chosen:
-            out[i, torch.tensor(s.chosen) + len(s.prompt_ids) - 1] = 1.0
+        at = getattr(s, field)
+        if at:
+            out[i, torch.tensor(at) + len(s.prompt_ids) - 1] = 1.0
+    return out
+
+
+def denominators(mask: torch.Tensor, counted: torch.Tensor | None):
+    """(tokens, sequences) a minibatch's loss is divided by: those of its counted rows (all
+    when None, or when it holds none, so that the division stays defined)."""
+    if counted is not None and (mask[counted].sum() > 0):
+        mask = mask[counted]
+    return mask.sum(), (mask.sum(-1) > 0).sum()
+
+
+def distillation_rows(groups: list[Group], coef: float) -> list[tuple[int, Sample]]:
+    """NudgeRL's distillation: every nudged response again, as the answer to its plain
+    prompt (the group's problem), weighted coef; (index of the nudged sample, row)."""
+    if coef <= 0:
+        return []
+    out, i = [], 0
+    for g in groups:
+        plain = getattr(g.problem, "prompt_ids", None)
+        for s in g.samples:
+            if plain and s.meta.get("nudge", -1) >= 0:
+                out.append((i, dataclasses.replace(s, prompt_ids=list(plain),
+                                                   weight=coef * s.weight)))
+            i += 1
     return out
 
 

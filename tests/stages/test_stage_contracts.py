@@ -20,7 +20,7 @@ from rollwise.config import Config, FilterConfig
 from rollwise.engine import BuiltinEngine
 from rollwise.stages.control.inflight import CONTINUE, Decision
 from rollwise.stages.filter.groups import build_group_filter, signal
-from rollwise.stages.generate import generate_round
+from rollwise.stages.generate import Generator, generate_round
 from rollwise.stages.generate.group import new_sample, sampling_params
 from rollwise.stages.ledger import Ledger
 from rollwise.tasks.prompts import Prompter
@@ -197,9 +197,11 @@ def test_generator_and_controller_contract(tiny, generator, controller):
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     cfg = Config.model_validate({"generate": {"group_size": 3, "max_new_tokens": 10,
                                               "env": "test_stage_contracts:OneTurnEnv",
-                                              "agent": "test_stage_contracts:one_turn_agent"},
+                                              "agent": "test_stage_contracts:one_turn_agent",
+                                              "nudge": {"contexts": ["a", "b"]}},
                                  "control": {"april": {"over_provision": 2.0}}})
-    gen = build("generator", generator, cfg, tok)
+    gen = registry.conform(build("generator", generator, cfg, tok), Generator, "generator")
+    gen.bind(prompter=Prompter.plain(tok))  # as Run does
     if getattr(gen, "runs_to_end", False) and controller != "none":
         pytest.skip("a run refuses this pair before any work (check_generator)")
     loop = Loop(build("inflight", controller, cfg))
@@ -222,7 +224,9 @@ def test_generator_and_controller_contract(tiny, generator, controller):
                 s.check()
                 assert s.prompt_id == g.prompt_id and s.uid not in seen, "returned twice"
                 seen.add(s.uid)
-                assert s.prompt_ids == tok(g.problem.prompt)["input_ids"]
+                prompt = g.problem.prompt if s.meta.get("nudge", -1) < 0 else \
+                    gen.nudged(g.problem.prompt, gen.contexts[s.meta["nudge"]])
+                assert s.prompt_ids == tok(prompt)["input_ids"]
                 assert s.num_tokens <= 10 and s.versions == sorted(s.versions)
                 for v in set(s.versions):  # every token under the weights that sampled it
                     at = torch.tensor([x == v for x in s.versions])

@@ -133,6 +133,13 @@ def test_trainer_state_restores_the_next_update_exactly(tiny):
     ("baseline", ["generate.group_size=1", "train.advantage=mssr", "control.baseline=running",
                   "filter.drop_equal_reward_groups=false", "train.token_shaping=entropy",
                   "task.train_size=24"]),
+    # SCOPE and NudgeRL keep no state of their own: rectification follows the scored
+    # groups, and the contexts are drawn from the run's seed, the step and the prompt
+    ("trainer", ["generate.scope.verifier=columns", "generate.scope.max_solved=1.0",
+                 "task.tiers={add2s: 1.0}", "generate.max_new_tokens=40",
+                 "filter.reward=exact", "model.max_positions=64"]),
+    ("trainer", ["generate.strategy=nudge", "generate.nudge.contexts=[c1, c2, c3]",
+                 "train.advantage=nudge"]),
     # an engine in a child process: its seed stream is saved through the engine's state API
     ("engine", ["sync.transport=process"]),
 ])

@@ -43,6 +43,10 @@ class Generator(abc.ABC):
         the response]). Default: the task's worked solutions with cfg.sft.noise."""
         return solution_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed)
 
+    def bind(self, prompter=None, **_) -> None:
+        """What the run has for it once built: the prompter (renders prompts of its own,
+        e.g. NudgeRL's nudged ones). Default: nothing."""
+
     def close(self) -> None:
         """Release what the strategy holds beside the run (an agent strategy's server)."""
 

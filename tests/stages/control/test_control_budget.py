@@ -31,7 +31,7 @@ from rollwise.types import Group, Problem, Sample, Status
 
 # ---- groups of unequal size --------------------------------------------------------------
 
-GROUP_LOCAL = ["grpo", "dr_grpo", "rloo", "mc_grpo", "xrpo"]  # a group's advantages: its own
+GROUP_LOCAL = ["grpo", "dr_grpo", "rloo", "mc_grpo", "xrpo", "nudge"]  # a group's own
 BATCH_LEVEL = ["reinforce_pp", "reinforce_pp_baseline", "gdpo"]  # whitened over the batch
 # baselines keyed by sample meta (CoD: pack, episode type, index, RED over the batch; TRACE:
 # the prefix continued, or the tree's node values): groups of repeats, not prompt groups
