@@ -338,7 +338,7 @@ def store_diversity(run_dir: Path) -> float | None:
         return None
     samples = store.samples()
     rectified = [s for s in samples if "scope" in s.meta]
-    aside = {s.meta["scope"]["rectifies"] if s.meta["scope"].get("replaced", True) else s.uid
+    aside = {s.parent_uid if s.meta["scope"].get("replaced", True) else s.uid
              for s in rectified}
     groups: dict[str, list] = {}
     for s in samples:

@@ -67,8 +67,8 @@ class Scope:
             return None
         new = Sample(prompt_id=s.prompt_id, prompt_ids=list(s.prompt_ids), uid=new_uid(),
                      group_id=s.group_id, parent_uid=s.uid, branch_point=k, step=s.step,
-                     meta={**s.meta, "scope": {"rectifies": s.uid, "step": fix.step,
-                                               "kept": k, "written": len(ids)}})
+                     meta={**s.meta, "scope": {"step": fix.step, "kept": k,
+                                               "written": len(ids)}})
         new.extend(s.response_ids[:k], s.logprobs[:k], s.versions[:k],
                    s.entropies[:k] if len(s.entropies) == s.num_tokens else None)
         new.loss_mask[:k] = s.loss_mask[:k]
