@@ -10,6 +10,10 @@ shapes: where whole updates in separate processes are too noisy to split a few s
   gradients to the fp32 masters, AdamW, masters back to the model), AdamW's per-tensor loop
   and per-tensor copies against the fused kernel and foreach copies.
 
+- loss: the PPO-clip token loss and GRPO's aggregation over --tokens tokens, forward and
+  backward, eager against torch.compile'd (the clip metrics eager in both, as the trainer
+  needs them); the compile's seconds and the largest difference of the loss are reported.
+
 Each lever's two arms alternate --repeats times after a warm-up; medians and their ratio.
 """
 
@@ -24,6 +28,13 @@ import time
 import torch
 
 from rollwise.training.head import chunk_tokens, head_logprobs
+from rollwise.training.losses import (
+    LossParams,
+    _clip_metrics,
+    _clipped_surrogate,
+    ppo_clip,
+    seq_mean_token_mean,
+)
 from rollwise.training.precision import MasterWeights, adamw_kernel
 
 
@@ -73,6 +84,45 @@ def optimizer_arms(model) -> dict:
             "fused AdamW, foreach copies": step(fast, torch._foreach_copy_)}
 
 
+def loss_arms(tokens: int) -> tuple[dict, dict]:
+    """The loss lever's arms, and the compile's seconds and the eager/compiled difference."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = max(tokens // 64, 1), 64
+    logp = (-3 * torch.rand(rows, width, generator=g)).requires_grad_(True)
+    old = logp.detach() + 0.05 * torch.randn(rows, width, generator=g)
+    adv = torch.randn(rows, generator=g)
+    mask = (torch.rand(rows, width, generator=g) > 0.1).float()
+    weights = torch.ones(rows, width)
+
+    def surrogate(logp, old, adv, mask, weights):
+        ratio = torch.exp(logp - old)
+        return seq_mean_token_mean(_clipped_surrogate(ratio, adv[:, None], LossParams())
+                                   * weights, mask)
+
+    def eager(*a):
+        token_loss, _ = ppo_clip(*a[:4])
+        return seq_mean_token_mean(token_loss * a[4], a[3])
+    compiled = torch.compile(surrogate, dynamic=False)
+    args = (logp, old, adv, mask, weights)
+    t = time.perf_counter()
+    compiled(*args).backward()
+    compile_s = time.perf_counter() - t
+    logp.grad = None
+    gap = float((compiled(*args) - eager(*args)).detach().abs())
+
+    def with_metrics(*a):
+        _clip_metrics(torch.exp(a[0].detach() - a[1]), a[2][:, None], a[3], LossParams())
+        return compiled(*a)
+
+    def run(fn):
+        def once():
+            fn(*args).backward()
+            logp.grad = None
+        return once
+    return ({"eager": run(eager), "torch.compile": run(with_metrics)},
+            {"compile_seconds": compile_s, "loss_gap": gap, "tokens": rows * width})
+
+
 def copy_to_master(master: MasterWeights, copy) -> None:
     """grads_to_master with the given copy (the per-tensor one allocates, as before)."""
     if copy is torch._foreach_copy_:
@@ -117,12 +167,16 @@ def main(argv: list[str]) -> int:
            "tokens": args.tokens, "threads": args.threads,
            "head": alternate(head_arms(model, args.tokens), args.repeats),
            "optimizer": alternate(optimizer_arms(model), args.repeats)}
+    arms, facts = loss_arms(args.tokens)
+    out["loss"] = {**alternate(arms, args.repeats), **facts}
     if args.json:
         print(json.dumps(out))
     else:
-        for lever in ("head", "optimizer"):
+        for lever in ("head", "optimizer", "loss"):
             (a, ta), (b, tb) = out[lever]["seconds"].items()
-            print(f"{lever}: {a} {ta:.3f} s, {b} {tb:.3f} s: {out[lever]['speedup']:.2f}x")
+            print(f"{lever}: {a} {ta:.4f} s, {b} {tb:.4f} s: {out[lever]['speedup']:.2f}x")
+        print(f"loss: compiled in {out['loss']['compile_seconds']:.1f} s, "
+              f"difference {out['loss']['loss_gap']:.1e}")
     return 0
 
 
