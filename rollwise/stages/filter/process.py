@@ -111,9 +111,15 @@ def _step_end(text: str, pos: int) -> int:
 
 # ------------------------------------------------------------------ equations in free text
 
-NUMBER = r"-?\$?\d+(?:\.\d+)?"
+NUMBER = r"-?\$?\d++(?:\.\d++)?+"
 OP = r"[-+*/×x÷]"
-EQUATION = re.compile(rf"((?:{NUMBER}\s*{OP}\s*)+{NUMBER})\s*=\s*(\$?)(-?\d+(?:\.\d+)?)")
+# the expression before an '=' sign, read in a bounded window that ends at it; possessive
+# repetitions, so that a long run of digits and operators costs linear time, not quadratic
+EXPRESSION = re.compile(rf"(?:{NUMBER}\s*+{OP}\s*+)++{NUMBER}\s*+$")
+RESULT = re.compile(r"\s*(\$?)(-?\d+(?:\.\d+)?)")
+CHAIN = re.compile(r"[\d\s.$+\-*/×x÷]*+")  # what an expression's characters can be
+MAX_EXPRESSION_CHARS = 120  # a longer expression is left unchecked
+MAX_EQUALS = 500  # '=' signs looked at per response
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv}
 
@@ -127,13 +133,20 @@ class EquationSteps(ProcessVerifier):
         pass
 
     def first_error(self, response: str, problem: Problem) -> StepFix | None:
-        for i, m in enumerate(EQUATION.finditer(response[:MAX_RESPONSE_CHARS])):
-            value = evaluate(m.group(1))
+        text, step = response[:MAX_RESPONSE_CHARS], 0
+        for eq in [i for i, c in enumerate(text) if c == "="][:MAX_EQUALS]:
+            start = max(eq - MAX_EXPRESSION_CHARS, 0)
+            expr, result = EXPRESSION.search(text, start, eq), RESULT.match(text, eq + 1)
+            if expr is None or result is None or (start > 0 and CHAIN.fullmatch(
+                    text, start, expr.start())):
+                continue  # not arithmetic, or it may go on before the window
+            value = evaluate(expr.group(0))
             if value is None:
                 continue
-            written = m.group(3)
+            written = result.group(2)
             if not agrees(written, value):
-                return StepFix(i, m.start(3), format_value(value, written))
+                return StepFix(step, result.start(2), format_value(value, written))
+            step += 1
         return None
 
 

@@ -97,9 +97,15 @@ def test_equations_are_evaluated_exactly(text, fix):
     assert EquationSteps().first_error(text, Problem("q", "?", "0")) == fix
 
 
-def test_huge_numbers_are_left_unchecked():
-    text = "9" * 40 + " + 1 = 5"
-    assert EquationSteps().first_error(text, Problem("q", "?", "0")) is None
+def test_huge_numbers_and_expressions_longer_than_the_window_are_left_unchecked():
+    q = Problem("q", "?", "0")
+    assert EquationSteps().first_error("9" * 40 + " + 1 = 5", q) is None
+    assert EquationSteps().first_error("1 + " * 40 + "1 = 3", q) is None  # 161 characters
+    assert EquationSteps().first_error("1 + " * 20 + "1 = 3", q) == StepFix(0, 84, "21")
+    # model output of any shape is read once, the '=' signs counted: a long chain with no
+    # result, a run of digits, a wall of '=' all come back unchecked
+    for text in ("1+" * 10000, "12345" * 4000, "=" * 20000, "-1-" * 6000):
+        assert EquationSteps().first_error(text, q) is None
 
 
 def test_as_a_reward_channel_a_response_with_no_wrong_step_scores_one():
