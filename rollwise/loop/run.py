@@ -346,7 +346,7 @@ class Run:
         return {g.prompt_id: (sum(r >= 1.0 for r in g.rewards), len(g.samples)) for g in groups}
 
     def count(self, r: StepResult) -> None:
-        samples = [s for g in r.scored for s in g.samples]
+        samples = [s for g in r.scored + r.aside for s in g.samples]  # every stored rollout
         self.totals["rollouts"] += len(samples)
         self.totals["tokens_generated"] += sum(s.num_tokens for s in samples)
         self.totals["tokens_trained"] += int(r.train.get("train/tokens", 0))

@@ -496,6 +496,7 @@ class Trainer:
         if not exact:
             batch.behaviour_logprobs = torch.where(unsampled > 0, prox, batch.behaviour_logprobs)
             m["off_policy_tokens"] = float((unsampled[:n] * batch.loss_mask[:n]).sum())
+        if distill:
             m["nudge/distill_rows"], m["nudge/distill_tokens"] = \
                 float(len(distill)), float(batch.loss_mask[n:].sum())
         m["entropy"] = float(masked_mean(ent, batch.loss_mask))  # the policy before the update

@@ -183,6 +183,8 @@ def test_a_run_rectifies_trains_on_the_rectified_and_stores_the_replaced(tmp_pat
     assert 0 < sum(m.get("train/off_policy_tokens", 0) for m in rows) <= sum(
         m["generate/scope/off_policy_tokens"] for m in rows)
     samples = RolloutStore(tmp_path / "s" / "rollouts").samples()
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert summary["rollouts"] == len(samples)  # the replaced and the losing ones count
     rectified = [s for s in samples if "scope" in s.meta]
     uids = {s.uid: s for s in samples}
     # every rectified rollout is stored, and so is every failed one it rectified
