@@ -44,25 +44,34 @@ class HeldOutScorer:
     one (a user function, math-verify, code) in filter.workers worker processes, each sample
     cut off after filter.timeout_s (a hang is a failure, never a hung run); with
     filter.workers=0, or a function a worker process cannot import (defined in __main__ or a
-    notebook), in this process with no time limit. `start(seconds)` bounds what follows as a
-    whole (one evaluation): past it, samples fail with cause 'deadline' unscored. Failures
-    are counted by cause in `failures`. close() ends the workers."""
+    notebook), in this process with no time limit. `start(seconds)` bounds the scoring of
+    what follows as a whole (one evaluation), from its first answer scored on: past it,
+    samples fail with cause 'deadline' unscored. Generation before it does not count, however
+    long the answers take to write. Failures are counted by cause in `failures`. close() ends
+    the workers."""
 
     def __init__(self, stage: FilterStage):
         self.stage = stage
+        self.budget: float | None = None
         self.deadline: float | None = None
         self.failures: Counter[str] = Counter()
 
     def start(self, seconds: float | None) -> None:
-        """What is scored from now on must be scored within `seconds` (None: no bound)."""
-        self.deadline = time.monotonic() + seconds if seconds else None
+        """What is scored from now on must be scored within `seconds` of the first scoring
+        (None: no bound)."""
+        self.budget, self.deadline = seconds or None, None
+
+    def _clock(self) -> float | None:
+        if self.budget is not None and self.deadline is None:
+            self.deadline = time.monotonic() + self.budget
+        return self.deadline
 
     def score_all(self, responses: list[str], problems: list[Problem], on_progress=None
                   ) -> list[tuple[float, str, str | None]]:
         """(reward, info, failure cause or None) per response; a failed one's reward is 0."""
         items = [Item(r, p) for r, p in zip(responses, problems)]
         out = []
-        for verdicts in self.stage.verdicts(items, self.deadline, on_progress):
+        for verdicts in self.stage.verdicts(items, self._clock(), on_progress):
             _, reward, info, cause = self.stage.combine(verdicts)
             if cause:
                 self.failures[cause] += 1

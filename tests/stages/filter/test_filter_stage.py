@@ -433,6 +433,26 @@ def test_an_evaluation_past_its_deadline_fails_what_is_left_unscored(tiny):
         scorer.close()
 
 
+def test_the_deadline_counts_scoring_only_not_the_generation_before_it(tiny, monkeypatch):
+    """An evaluation whose answers took longer to write than the whole deadline still scores
+    them: the clock starts at the first answer scored."""
+    import rollwise.stages.filter as filter_stage
+    task = load_task(TaskConfig(eval_size=4))
+    scorer = eval_scorer(FilterConfig(workers=0), task)
+    now = [1000.0]
+    monkeypatch.setattr(filter_stage.time, "monotonic", lambda: now[0])
+    try:
+        scorer.start(5.0)
+        now[0] += 60.0  # generation: longer than the deadline
+        p = task.eval[0]
+        (reward, _, cause), = scorer.score_all([p.answer[::-1]], [p])
+        assert (reward, cause) == (1.0, None)
+        now[0] += 6.0  # past the deadline counted from the first scoring
+        assert [c for _, _, c in scorer.score_all(["1"], [p])] == ["deadline"]
+    finally:
+        scorer.close()
+
+
 def test_a_scorer_without_counts_still_has_its_exceptions_counted(tiny):
     def half(text, problem):
         if problem.id.endswith(("0", "2", "4", "6", "8")):
