@@ -190,11 +190,13 @@ def profiled(fn, device: str) -> dict:
 def profile(device: str, tiny: bool) -> dict:
     """Is the device kept busy? Decode of 64 sequences × 32 tokens (built-in and HF) and one
     update of 2 groups × 8 × 512 tokens, SmolLM2's shape in bf16 (the tiny model: a few), with
-    the update's levers (chunked logits, fused AdamW) and without.
+    the update's levers (chunked logits, fused AdamW) and without, and with packed rows attended
+    the other way (by segments or through the dense mask) than `auto` takes on the device.
     Last of the parts: about two minutes on an H100, most of it the profiler's own cost."""
     from rollwise.bench import gpu
     from rollwise.bench.trainer import loop_optimizer
     from rollwise.config import TrainConfig
+    from rollwise.training import packed_attention
     from rollwise.training.trainer import Trainer
     preset, n, prompt_len, new, response_len = (("tiny", 4, 8, 4, 8) if tiny
                                                 else ("smollm2", 64, 128, 32, 512))
@@ -207,7 +209,14 @@ def profile(device: str, tiny: bool) -> dict:
     cfg = TrainConfig(minibatches=1, max_tokens_per_microbatch=16384, lr=1e-6)
     trainer = Trainer(model, cfg, pad_id=0)
     out["train_update"] = profiled(lambda: trainer.update(groups), device)
+    # the packed-attention arm that auto did not take on this device
+    other = "segments" if device == "cpu" else "mask"
     del trainer
+    packed_attention.disable(model)
+    trainer = Trainer(model, cfg.model_copy(update={"packed_attention": other}), pad_id=0)
+    out[f"train_update_attention_{other}"] = profiled(lambda: trainer.update(groups), device)
+    del trainer
+    packed_attention.disable(model)
     with loop_optimizer():  # the update without its levers: full logits, AdamW's loop
         trainer = Trainer(model, cfg.model_copy(update={"chunked_logits": False}), pad_id=0)
     out["train_update_without_levers"] = profiled(lambda: trainer.update(groups), device)

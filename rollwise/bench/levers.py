@@ -14,19 +14,34 @@ shapes: where whole updates in separate processes are too noisy to split a few s
   backward, eager against torch.compile'd (the clip metrics eager in both, as the trainer
   needs them); the compile's seconds and the largest difference of the loss are reported.
 
+- attention: one forward and backward pass over packed rows (the trainer's layout: prompts
+  of --prompt-tokens, 8 responses each, lengths log-uniform from 16 to generate.max_new_tokens,
+  --tokens response tokens in all), the rows attended through their dense (L x L) mask
+  against by segments (rollwise.training.packed_attention); the attention scores each
+  computes and the largest difference of the log-probabilities are reported.
+
+- layer: the same pass with every decoder layer eager against torch.compile'd (one compiled
+  module per layer, shared code; the packed rows' shapes fixed, the best case for a
+  compiler); the compile's seconds (the compiled arm's first pass less an eager one) and the
+  largest difference of the log-probabilities are reported.
+
 Each lever's two arms alternate --repeats times after a warm-up; medians and their ratio.
+--levers picks some (default: all).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import statistics
 import sys
 import time
 
 import torch
 
+from rollwise.training import packed_attention
 from rollwise.training.head import chunk_tokens, head_logprobs
 from rollwise.training.losses import (
     LossParams,
@@ -35,7 +50,9 @@ from rollwise.training.losses import (
     ppo_clip,
     seq_mean_token_mean,
 )
+from rollwise.training.packing import pack, packed_token_logprobs
 from rollwise.training.precision import MasterWeights, adamw_kernel
+from rollwise.types import Batch, Sample
 
 
 def full_head(hidden, weight, target):
@@ -123,6 +140,72 @@ def loss_arms(tokens: int) -> tuple[dict, dict]:
             {"compile_seconds": compile_s, "loss_gap": gap, "tokens": rows * width})
 
 
+def packed_batch(vocab: int, tokens: int, prompt: int, longest: int, seed: int = 0) -> Batch:
+    """Groups of 8 responses after a shared prompt, lengths log-uniform on [16, longest],
+    until `tokens` response tokens."""
+    rng, samples, total = random.Random(seed), [], 0
+    while total < tokens:
+        ids = [rng.randrange(vocab) for _ in range(prompt)]
+        for _ in range(8):
+            n = int(16 * math.exp(rng.random() * math.log(max(longest, 16) / 16)))
+            samples.append(Sample(prompt_id=str(len(samples) // 8), prompt_ids=ids,
+                                  response_ids=[rng.randrange(vocab) for _ in range(n)],
+                                  logprobs=[0.0] * n, versions=[0] * n, loss_mask=[1] * n))
+            total += n
+    return Batch.from_samples(samples, [0.0] * len(samples), pad_id=0)
+
+
+def attention_arms(model, batch: Batch) -> tuple[dict, dict]:
+    packed = pack(batch, fill=True)
+    chunk = chunk_tokens(model.get_output_embeddings().weight.shape[0])
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0))
+
+    def run(segments: bool):
+        def once():
+            (packed_attention.enable if segments else packed_attention.disable)(model)
+            lp, _ = packed_token_logprobs(model, batch, packed, chunk=chunk)
+            (lp * weights * batch.loss_mask).sum().backward()
+            model.zero_grad(set_to_none=True)
+            return lp.detach()
+        return once
+    dense, segments = run(False), run(True)
+    gap = float((dense() - segments()).abs()[batch.loss_mask > 0].max())
+    R, L = packed.input_ids.shape
+    lay = packed.layout()
+    facts = {"rows": R, "row_tokens": L, "samples": batch.size,
+             "dense_scores": R * L * L, "segment_scores": lay.scores,
+             "sdpa_calls_per_layer": len(lay.buckets), "logprob_gap": gap}
+    return {"dense mask": dense, "segments": segments}, facts
+
+
+def layer_arms(model, batch: Batch) -> tuple[dict, dict]:
+    packed = pack(batch, fill=True)
+    chunk = chunk_tokens(model.get_output_embeddings().weight.shape[0])
+    layers = model.get_decoder().layers
+    eager = list(layers)
+    compiled = [torch.compile(layer) for layer in eager]
+
+    def run(mods):
+        def once():
+            for i, m in enumerate(mods):
+                layers[i] = m
+            lp, _ = packed_token_logprobs(model, batch, packed, chunk=chunk)
+            lp[batch.loss_mask > 0].sum().backward()
+            model.zero_grad(set_to_none=True)
+            return lp.detach()
+        return once
+    plain, fast = run(eager), run(compiled)
+    t = time.perf_counter()
+    reference = plain()
+    eager_s = time.perf_counter() - t
+    t = time.perf_counter()
+    got = fast()  # compiles
+    compile_s = time.perf_counter() - t - eager_s
+    gap = float((reference - got).abs()[batch.loss_mask > 0].max())
+    return {"eager": plain, "torch.compile": fast}, {"compile_seconds": compile_s,
+                                                     "logprob_gap": gap}
+
+
 def copy_to_master(master: MasterWeights, copy) -> None:
     """grads_to_master with the given copy (the per-tensor one allocates, as before)."""
     if copy is torch._foreach_copy_:
@@ -154,6 +237,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=7000, help="response tokens of the head arm")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64,
+                    help="prompt length of the attention lever's packed rows")
+    ap.add_argument("--levers", default="head,optimizer,loss,attention,layer")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -163,20 +249,44 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     model, _ = models.build(cfg.model)
     model.requires_grad_(True)
+    levers = args.levers.split(",")
+    unknown = set(levers) - {"head", "optimizer", "loss", "attention", "layer"}
+    if unknown:
+        ap.error(f"--levers: unknown {sorted(unknown)}; choose from head, optimizer, loss, "
+                 f"attention, layer")
     out = {"benchmark": "levers", "config": args.config, "dtype": str(model.dtype),
-           "tokens": args.tokens, "threads": args.threads,
-           "head": alternate(head_arms(model, args.tokens), args.repeats),
-           "optimizer": alternate(optimizer_arms(model), args.repeats)}
-    arms, facts = loss_arms(args.tokens)
-    out["loss"] = {**alternate(arms, args.repeats), **facts}
+           "tokens": args.tokens, "threads": args.threads}
+    if "head" in levers:
+        out["head"] = alternate(head_arms(model, args.tokens), args.repeats)
+    if "optimizer" in levers:
+        out["optimizer"] = alternate(optimizer_arms(model), args.repeats)
+    if "loss" in levers:
+        arms, facts = loss_arms(args.tokens)
+        out["loss"] = {**alternate(arms, args.repeats), **facts}
+    batch = packed_batch(model.config.vocab_size, args.tokens, args.prompt_tokens,
+                         cfg.generate.max_new_tokens)
+    if "attention" in levers:
+        arms, facts = attention_arms(model, batch)
+        out["attention"] = {**alternate(arms, args.repeats), **facts,
+                            "prompt_tokens": args.prompt_tokens}
+    if "layer" in levers:
+        arms, facts = layer_arms(model, batch)
+        out["layer"] = {**alternate(arms, args.repeats), **facts}
     if args.json:
         print(json.dumps(out))
     else:
-        for lever in ("head", "optimizer", "loss"):
+        for lever in levers:
             (a, ta), (b, tb) = out[lever]["seconds"].items()
             print(f"{lever}: {a} {ta:.4f} s, {b} {tb:.4f} s: {out[lever]['speedup']:.2f}x")
-        print(f"loss: compiled in {out['loss']['compile_seconds']:.1f} s, "
-              f"difference {out['loss']['loss_gap']:.1e}")
+        for lever, gap in (("loss", "loss_gap"), ("layer", "logprob_gap")):
+            if lever in out:
+                print(f"{lever}: compiled in {out[lever]['compile_seconds']:.1f} s, "
+                      f"difference {out[lever][gap]:.1e}")
+        if "attention" in out:
+            a = out["attention"]
+            print(f"attention: {a['rows']} rows of {a['row_tokens']} tokens, scores "
+                  f"{a['dense_scores']:,} dense, {a['segment_scores']:,} by segments, "
+                  f"difference {a['logprob_gap']:.1e}")
     return 0
 
 

@@ -26,11 +26,14 @@ trainer does not know the difference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from rollwise.training.head import captured_head
+from rollwise.training.packed_attention import ATTN_NAME, Segment, SegmentLayout
+from rollwise.training.packed_attention import layout as segment_layout
 from rollwise.types import Batch, concat_ranges
 
 
@@ -38,16 +41,25 @@ from rollwise.types import Batch, concat_ranges
 class Packed:
     input_ids: torch.Tensor  # (R, L)
     position_ids: torch.Tensor  # (R, L)
-    mask: torch.Tensor  # (R, 1, L, L) bool, True where a query may attend to a key
+    segments: list[Segment]  # each segment's row, columns and ancestor columns
     src_row: torch.Tensor  # (N,) for each response target: its row in the packed layout,
     src_pos: torch.Tensor  # (N,) the position whose logits predict it,
     target: torch.Tensor  # (N,) the token,
     dst_row: torch.Tensor  # (N,) and where it goes in the Batch's (B, T-1) layout
     dst_col: torch.Tensor  # (N,)
+    dense: Callable[[], torch.Tensor] = None  # builds the (R, 1, L, L) bool mask, True where
+    # a query may attend to a key: for models whose attention takes only a mask
 
     @property
     def tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.dense()
+
+    def layout(self) -> SegmentLayout:
+        return segment_layout(self.segments, *self.input_ids.shape)
 
 
 class _Block:
@@ -150,6 +162,7 @@ def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed
             ends[r] += sizes[b]
     R, L = max(r for r, _ in place) + 1, max(sizes)
     rows, cols, toks, pos, segs, starts, spans = [], [], [], [], [], [], []  # per node, range
+    segments: list[Segment] = []
     first_seg = 0  # segments numbered across blocks
     for blk, (r, o) in zip(blocks, place):
         n = len(blk.tokens)
@@ -159,25 +172,31 @@ def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed
         pos += blk.depth
         segs += [first_seg + x for x in blk.seg]
         starts += [o + blk.segments[x][0] for x in blk.seg]
+        firsts = [first for first, _ in blk.segments] + [n]
         for s, ranges in enumerate(blk.ancestry()):
             spans += [(first_seg + s, o + lo, o + hi) for lo, hi in ranges]
+            segments.append(Segment(r, o + firsts[s], firsts[s + 1] - firsts[s],
+                                    [(o + lo, o + hi) for lo, hi in ranges]))
         first_seg += len(blk.segments)
     at = (_long(rows), _long(cols))
     input_ids = torch.zeros((R, L), dtype=torch.long).index_put(at, _long(toks))
     position_ids = torch.zeros((R, L), dtype=torch.long).index_put(at, _long(pos))
-    seg = torch.full((R, L), first_seg, dtype=torch.long).index_put(at, _long(segs))
-    start = torch.full((R, L), L, dtype=torch.long).index_put(at, _long(starts))
-    # above[s]: the row columns segment s sees above its own nodes; padding (s = first_seg)
-    # sees nothing
-    above = torch.zeros((first_seg + 1, L), dtype=torch.int16)
-    if spans:
-        sp = torch.tensor(spans)
-        col = torch.arange(L)
-        inside = (col >= sp[:, 1:2]) & (col <= sp[:, 2:3])
-        above.index_add_(0, sp[:, 0], inside.to(torch.int16))
-    causal = torch.ones((L, L), dtype=torch.bool).tril()
-    own = (torch.arange(L) >= start[:, :, None]) & causal  # its segment's nodes up to itself
-    mask = (above > 0)[seg] | own | torch.eye(L, dtype=torch.bool)  # padding sees itself
+
+    def dense() -> torch.Tensor:
+        seg = torch.full((R, L), first_seg, dtype=torch.long).index_put(at, _long(segs))
+        start = torch.full((R, L), L, dtype=torch.long).index_put(at, _long(starts))
+        # above[s]: the row columns segment s sees above its own nodes; padding
+        # (s = first_seg) sees nothing
+        above = torch.zeros((first_seg + 1, L), dtype=torch.int16)
+        if spans:
+            sp = torch.tensor(spans)
+            col = torch.arange(L)
+            inside = (col >= sp[:, 1:2]) & (col <= sp[:, 2:3])
+            above.index_add_(0, sp[:, 0], inside.to(torch.int16))
+        causal = torch.ones((L, L), dtype=torch.bool).tril()
+        own = (torch.arange(L) >= start[:, :, None]) & causal  # its segment's nodes to itself
+        mask = (above > 0)[seg] | own | torch.eye(L, dtype=torch.bool)  # padding sees itself
+        return mask[:, None]
 
     # Response targets in the order block, sample, token: a node shared by several samples
     # predicts a token of each, and its gradient sums them in this order.
@@ -190,9 +209,12 @@ def pack(batch: Batch, max_row_tokens: int = 2048, fill: bool = False) -> Packed
     dst_row = order.repeat_interleave(n_resp)
     dst_col = batch.prompt_lens[dst_row] - 1 + concat_ranges(n_resp)
     sample_row = torch.tensor([r for blk, (r, _) in zip(blocks, place) for _ in blk.samples])
-    return Packed(input_ids, position_ids, mask[:, None], sample_row.repeat_interleave(n_resp),
+    return Packed(input_ids, position_ids, segments, sample_row.repeat_interleave(n_resp),
                   _long(src_pos), batch.input_ids[dst_row, dst_col + 1],
-                  dst_row, dst_col)
+                  dst_row, dst_col, dense)
+
+
+_PLACEHOLDER = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a ready 4D mask: HF leaves it as is
 
 
 def _long(values: list[int]) -> torch.Tensor:
@@ -206,16 +228,22 @@ def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: boo
     """log p(target) and entropy per (B, T-1) target column, as token_logprobs returns them,
     from one forward pass over the packed rows. Columns that are not response targets hold 0.
     chunk: from the last hidden state, that many tokens at a time (rollwise.training.head);
-    None: through the full logits."""
-    mask = packed.mask
-    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # additive float mask
-        mask = torch.zeros(mask.shape, dtype=model.dtype).masked_fill(
-            ~mask, torch.finfo(model.dtype).min)
+    None: through the full logits. A model switched to packed attention (enable) attends by
+    segments; any other through the dense mask."""
     dev, home = model.device, batch.input_ids.device  # the model's device; the batch stays home
+    attend: dict = {}
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == ATTN_NAME:  # the mask argument is a placeholder HF passes through unchanged
+        attend = {"attention_mask": _PLACEHOLDER.to(dev), "packed_layout": packed.layout().to(dev)}
+    elif impl == "eager":  # additive float mask
+        attend = {"attention_mask": torch.zeros(packed.mask.shape, dtype=model.dtype).masked_fill(
+            ~packed.mask, torch.finfo(model.dtype).min).to(dev)}
+    else:
+        attend = {"attention_mask": packed.mask.to(dev)}
     src = (packed.src_row.to(dev), packed.src_pos.to(dev))
     run = lambda: model(input_ids=packed.input_ids.to(dev),  # noqa: E731
-                        attention_mask=mask.to(dev), position_ids=packed.position_ids.to(dev),
-                        use_cache=False)  # (no KV cache: see token_logprobs)
+                        position_ids=packed.position_ids.to(dev), use_cache=False,
+                        **attend)  # (no KV cache: see token_logprobs)
     if chunk:
         with captured_head(model, lambda h: h[src], packed.target, chunk, entropy_grad) as got:
             run()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rollwise.config import TrainConfig
 from rollwise.devices import keep_freed_memory
 from rollwise.training import correction as corr
-from rollwise.training import lora
+from rollwise.training import lora, packed_attention
 from rollwise.training.advantages import (
     AdvantageInputs,
     compute_advantages,
@@ -190,6 +190,7 @@ class Trainer:
         if cfg.kl_coef > 0 and not self.adapters:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self._pack = cfg.pack_prompts  # off if the model disagrees
+        self._segments = False  # packed rows attended by segments (set by the first check)
         self.token_budget = self._token_budget(model)  # tokens per forward pass, or None
         self._chunk = self._head_chunk(model)  # tokens per head chunk; None: the full logits
         self._checked = False  # the fast paths against the plain one, on the first batch
@@ -339,6 +340,8 @@ class Trainer:
         if self._pack and batch.prompt_lens is not None:
             packed = pack(batch, fill=True)
             if worth_packing(batch, packed):
+                if self._segments:  # idempotent: the reference model is switched on first use
+                    packed_attention.enable(model)
                 return packed_token_logprobs(model, batch, packed, entropy_grad, self._chunk)
         return token_logprobs(model, batch, entropy_grad, self._chunk)
 
@@ -358,15 +361,45 @@ class Trainer:
                 self._chunk = None
         elif self._pack:
             plain = token_logprobs(model, sub)[0]
-        if self._pack and sub.prompt_lens is not None and not self._close(
-                model, sub, packed_token_logprobs(model, sub, pack(sub, fill=True),
-                                                  chunk=self._chunk)[0],
-                plain, "train.pack_prompts", "packing"):
-            self._pack = False
+        if self._pack and sub.prompt_lens is not None:
+            self._pack = self._check_packing(model, sub, plain)
+
+    def _check_packing(self, model, sub: Batch, plain: torch.Tensor) -> bool:
+        """Packed rows attended by segments (no dense mask) where the model's attention takes
+        the layout and agrees; else through the dense mask where that agrees; else no
+        packing."""
+        packed = pack(sub, fill=True)
+        choice = self.cfg.packed_attention
+        if choice == "auto":
+            choice = "mask" if next(model.parameters()).device.type == "cpu" else "segments"
+        self._segments = choice == "segments" and packed_attention.enable(model)
+        asked = self.cfg.packed_attention == "segments"
+        if asked and not self._segments:
+            warnings.warn(f"train.packed_attention=segments: the model attends with "
+                          f"{getattr(model.config, '_attn_implementation', '?')}, not SDPA; "
+                          f"packed rows are attended through the dense mask", RuntimeWarning)
+        if self._segments:
+            try:
+                logp = packed_token_logprobs(model, sub, packed, chunk=self._chunk)[0]
+                self._segments = self._close(model, sub, logp, plain,
+                                             "train.packed_attention=segments",
+                                             "attention by segments", quiet=not asked)
+            except NotImplementedError as e:  # sliding-window or soft-capped attention
+                if asked:
+                    warnings.warn(f"train.packed_attention=segments: {e}; packed rows are "
+                                  f"attended through the dense mask", RuntimeWarning)
+                self._segments = False
+            if not self._segments:
+                packed_attention.disable(model)
+        if self._segments:
+            return True
+        return self._close(model, sub, packed_token_logprobs(model, sub, packed,
+                                                             chunk=self._chunk)[0],
+                           plain, "train.pack_prompts", "packing")
 
     @staticmethod
     def _close(model, sub: Batch, logp: torch.Tensor, plain: torch.Tensor, setting: str,
-               what: str) -> bool:
+               what: str, quiet: bool = False) -> bool:
         gaps = (logp[:, :plain.shape[1]] - plain).abs()[sub.loss_mask.bool()]
         # Float rounding only, or a model that ignores the mask (off by O(1) on most tokens). In
         # fp32 every token agrees to 1e-3. In bf16 the two layouts round differently: on
@@ -377,6 +410,8 @@ class Trainer:
                          else (float(gaps.mean()), "on average", 0.1))
         if gap <= tol:
             return True
+        if quiet:
+            return False
         warnings.warn(f"{setting}: log-probabilities differ from the padded pass through the "
                       f"full logits by {gap:.2g} {how} with this model; training without "
                       f"{what}", RuntimeWarning)

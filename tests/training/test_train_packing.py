@@ -11,16 +11,27 @@ import torch
 from train_helpers import capture_grads, clone, make_groups, random_samples
 
 from rollwise.config import TrainConfig
+from rollwise.training import packed_attention
 from rollwise.training.packing import pack, packed_token_logprobs, worth_packing
 from rollwise.training.trainer import Trainer, token_logprobs
 from rollwise.types import Batch, Sample
 
 
+def attending(model, attention: str):
+    """A copy of the model attending packed rows by segments or through the dense mask."""
+    model = copy.deepcopy(model)
+    if attention == "segments":
+        assert packed_attention.enable(model)
+    return model
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("cap", [2048, 10])
 @pytest.mark.parametrize("fill", [False, True])
-def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap, fill):
+@pytest.mark.parametrize("attention", ["segments", "mask"])
+def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap, fill, attention):
     model, tok = tiny
+    model = attending(model, attention)
     samples = _tree_samples(seed)  # groups, and tree children sharing response prefixes
     batch = Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
     packed = pack(batch, max_row_tokens=cap, fill=fill)
@@ -38,8 +49,10 @@ def test_packed_logprobs_and_entropies_equal_the_padded_pass(tiny, seed, cap, fi
         assert packed.tokens < batch.input_ids.numel()
 
 
-def test_packed_gradient_equals_the_padded_gradient(tiny):
+@pytest.mark.parametrize("attention", ["segments", "mask"])
+def test_packed_gradient_equals_the_padded_gradient(tiny, attention):
     model, tok = tiny
+    model = attending(model, attention)
     samples = _tree_samples(7)
     batch = Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
     weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
@@ -64,40 +77,110 @@ def test_packing_is_used_only_where_it_saves_tokens(tiny):
     assert not worth_packing(batch, pack(batch))
 
 
-def test_trainer_update_is_the_same_packed_or_padded(tiny):
+@pytest.mark.parametrize("attention", ["segments", "mask", "auto"])
+def test_trainer_update_is_the_same_packed_or_padded(tiny, attention):
     """A whole update (prepare + two minibatch steps) with and without packing: the same
     gradients at every optimizer step, up to float rounding."""
     model, tok = tiny
     groups = make_groups(model, tok, n_prompts=4, group_size=4, max_new_tokens=6, seed=11)
     grads = []
     for packed in (False, True):
-        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=2, pack_prompts=packed),
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=2, pack_prompts=packed,
+                                                            packed_attention=attention),
                           pad_id=tok.pad_token_id, seed=2)
         seen = capture_grads(trainer)
         trainer.update(clone(groups))
         assert trainer._pack is packed
+        assert trainer._segments is (packed and attention == "segments")  # auto: CPU, mask
         grads.append([torch.cat([g.flatten() for g in step]) for step in seen])
     for a, b in zip(*grads):
         assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
-def test_a_model_that_ignores_the_packing_mask_is_trained_unpacked(tiny):
-    """Packing relies on the model honouring a 4D attention mask and position ids; the first
-    update checks it against the padded pass and turns packing off, with a warning."""
-    model, tok = tiny
-    groups = make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=6, seed=3)
+def careless(model, drops_layout: bool):
+    """The model, ignoring 4D attention masks (it sees every token, as a careless model
+    would) and, with drops_layout, the keyword arguments it does not know."""
     broken = copy.deepcopy(model)
     forward = broken.forward
 
     def ignores_mask(*args, **kwargs):
         if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].dim() == 4:
-            kwargs["attention_mask"] = None  # sees every token, as a careless model would
+            kwargs["attention_mask"] = None
+        if drops_layout:
+            kwargs.pop("packed_layout", None)
         return forward(*args, **kwargs)
     broken.forward = ignores_mask
-    trainer = Trainer(broken, TrainConfig(minibatches=1), pad_id=tok.pad_token_id)
-    with pytest.warns(RuntimeWarning, match="pack_prompts"):
+    return broken
+
+
+def test_a_model_that_ignores_the_packing_mask_and_layout_is_trained_unpacked(tiny):
+    """Packing relies on the model honouring the packed layout or a 4D attention mask, and
+    position ids; the first update checks it against the padded pass and turns packing off,
+    with a warning."""
+    model, tok = tiny
+    groups = make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=6, seed=3)
+    broken = careless(model, drops_layout=True)
+    trainer = Trainer(broken, TrainConfig(minibatches=1, packed_attention="segments"),
+                      pad_id=tok.pad_token_id)
+    with pytest.warns(RuntimeWarning) as said:
         trainer.update(clone(groups))
-    assert trainer._pack is False
+    assert [w for w in said if "packed_attention=segments" in str(w.message)]
+    assert [w for w in said if "pack_prompts:" in str(w.message)]
+    assert trainer._pack is False and trainer._segments is False
+    assert broken.config._attn_implementation == "sdpa"  # switched back
+
+
+def test_segments_need_no_mask_and_keep_packing_where_the_mask_is_ignored(tiny):
+    model, tok = tiny
+    groups = make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=6, seed=3)
+    trainer = Trainer(careless(model, drops_layout=False),
+                      TrainConfig(minibatches=1, packed_attention="segments"),
+                      pad_id=tok.pad_token_id)
+    trainer.update(clone(groups))
+    assert trainer._pack is True and trainer._segments is True
+
+
+def test_packed_attention_builds_no_dense_mask(tiny, monkeypatch):
+    model, tok = attending(tiny[0], "segments"), tiny[1]
+    batch = Batch.from_samples(_tree_samples(2), [0.0] * 12, tok.pad_token_id)
+    packed = pack(batch, fill=True)
+    reference = packed_token_logprobs(attending(tiny[0], "mask"), batch, packed)[0]
+    monkeypatch.setattr(packed, "dense", lambda: pytest.fail("the dense mask was built"))
+    with torch.no_grad():
+        got = packed_token_logprobs(model, batch, packed)[0]
+    assert (got - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("group, prompt, lengths", [(8, 30, (5, 60)), (3, 2, (1, 3)),
+                                                    (1, 12, (40, 40))])
+def test_segments_equal_each_sequence_run_alone_on_a_chat_model(tmp_path, group, prompt,
+                                                                 lengths):
+    """Prompts of a chat model (GQA: 4 query heads on 2 key/value heads) with responses of
+    spread lengths: each response token's log-probability from the packed rows equals the
+    sequence's own forward pass, with no other sequence in it."""
+    from chat_model import build_chat_model
+
+    from rollwise import models
+    model, tok = models.load_model(build_chat_model(tmp_path / "chat"), "float32")
+    packed_model = attending(model, "segments")
+    rng = random.Random(group)
+    samples = []
+    for p in range(3):
+        ids = [rng.randrange(5, len(tok)) for _ in range(prompt + p)]
+        for _ in range(group):
+            n = rng.randint(*lengths)
+            samples.append(Sample(prompt_id=str(p), prompt_ids=ids,
+                                  response_ids=[rng.randrange(5, len(tok)) for _ in range(n)],
+                                  logprobs=[0.0] * n, versions=[0] * n, loss_mask=[1] * n))
+    batch = Batch.from_samples(samples, [0.0] * len(samples), tok.pad_token_id)
+    with torch.no_grad():
+        lp = packed_token_logprobs(packed_model, batch, pack(batch, fill=True))[0]
+        for i, s in enumerate(samples):
+            seq = torch.tensor([s.prompt_ids + s.response_ids])
+            alone = model(input_ids=seq).logits[0, :-1].log_softmax(-1)
+            want = alone.gather(-1, seq[0, 1:, None])[:, 0][len(s.prompt_ids) - 1:]
+            got = lp[i, len(s.prompt_ids) - 1:len(s.prompt_ids) - 1 + s.num_tokens]
+            assert (got - want).abs().max() < 1e-5
 
 
 def _with_columns(seed: int) -> list[Sample]:
@@ -191,3 +274,16 @@ def _real_nodes(packed) -> set[tuple[int, int]]:
     for r, q in zip(packed.src_row.tolist(), packed.src_pos.tolist()):
         out.update((r, int(k)) for k in torch.nonzero(packed.mask[r, 0, q]).flatten())
     return out
+
+
+def test_segments_asked_of_a_model_that_does_not_attend_by_sdpa_warn_and_use_the_mask(tiny):
+    model, tok = tiny
+    groups = make_groups(model, tok, n_prompts=2, group_size=4, max_new_tokens=6, seed=3)
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    trainer = Trainer(eager, TrainConfig(minibatches=1, packed_attention="segments"),
+                      pad_id=tok.pad_token_id)
+    with pytest.warns(RuntimeWarning, match="attends with eager, not SDPA"):
+        trainer.update(clone(groups))
+    assert trainer._pack is True and trainer._segments is False
+    assert eager.config._attn_implementation == "eager"
