@@ -76,9 +76,38 @@ class ModelConfig(Section):
     config records which."""
 
 
+class WorkedConfig(Section):
+    """The running-sum task (task.name=worked, rollwise.tasks.worked)."""
+    terms: list[int] = [3, 30]
+    """Fewest and most terms in a chain, drawn log-uniformly (most chains short, a few long):
+    a response writes a line per term after the first."""
+    max_digits: int = Field(2, ge=1, le=9)
+    """Each term has 1 to max_digits digits."""
+    subtract: Share = 0.3
+    """Share of the terms after the first that are subtracted (when the total stays >= 0)."""
+    prompt: str = ("Compute {chain} step by step: write each running total on its own line "
+                   "as 'a + b = c', then the final answer as \\boxed{answer}.")
+    """The problem's text; '{chain}' is replaced by the terms."""
+
+    @field_validator("terms")
+    @classmethod
+    def _check_terms(cls, v):
+        if len(v) != 2 or not 2 <= v[0] <= v[1]:
+            raise ValueError(f"{v}: give [fewest, most] terms with 2 <= fewest <= most")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if "{chain}" not in v:
+            raise ValueError("must contain '{chain}' where the problem's terms go")
+        return v
+
+
 class TaskConfig(Section):
     name: str = "arith"
-    """'arith' (built-in tiers), 'calc' (multi-turn, with a calculator: configs/calc.yaml),
+    """'arith' (built-in tiers), 'worked' (running sums written step by step, long answers:
+    configs/smollm2-long.yaml), 'calc' (multi-turn, with a calculator: configs/calc.yaml),
     'gym:<reasoning-gym dataset>', 'gym' (a weighted mix of the datasets in task.gym), or
     'file' (JSONL/Parquet)."""
     gym: dict[str, dict[str, Any] | None] = {}
@@ -107,6 +136,7 @@ class TaskConfig(Section):
     forgotten (one rule to relearn), or the sum off by one wherever a column adds one of
     `wrong_facts` digit pairs drawn from task.seed (many facts, each relearned alone)."""
     wrong_facts: int = Field(30, ge=1, le=100)
+    worked: WorkedConfig = WorkedConfig()
 
     @model_validator(mode="after")
     def _check_gym(self):
@@ -930,6 +960,12 @@ class TrainConfig(Section):
     """Trainer forward passes hold each prompt once with its responses after it (a mask keeps
     them apart): the same log-probabilities up to float rounding, for fewer tokens. Checked
     against the padded pass on the first update; a model that disagrees is not packed."""
+    packed_attention: Literal["auto", "segments", "mask"] = "auto"
+    """How packed rows are attended. segments: each response with its prompt (and a tree
+    child with its parent's prefix) gathered and run as batched SDPA calls of similar sizes,
+    no (row x row) mask (rollwise.training.packed_attention); mask: SDPA over the whole row
+    with a dense mask. auto: mask on the CPU, where its one fused kernel measured faster
+    (docs/benchmarks/speed.md), segments on a GPU. Both checked on the first update."""
     chunked_logits: bool = True
     """Log-probabilities and entropies from the last hidden state, a chunk of tokens at a time
     with the LM head inside the chunk, at the response tokens only: the (tokens x vocabulary)
@@ -987,6 +1023,13 @@ class SFTConfig(Section):
     """Share of worked solutions whose top answer digit is off by one, so RL has work to do;
     or a share per tier ({sub2: 0.6}: the other tiers are learned from clean solutions)."""
     eval_every: int = Field(100, gt=0)
+    from_path: bool = False
+    """Warm-start the model at model.path too (a chat model learning a task's worked format,
+    configs/smollm2-long.yaml), cached like the built-in model's; False: RL starts from
+    model.path as it is. Its weights and AdamW stay float32, its products run in model.dtype
+    (autocast), and each batch is cut into micro-batches of similar lengths."""
+    microbatch_tokens: int = Field(4096, gt=0)
+    """With from_path: padded tokens per forward pass (bounds the logits' memory)."""
 
 
 class SyncConfig(Section):

@@ -23,7 +23,8 @@ BUILTIN: dict[str, dict[str, str]] = {
     # factory(task_cfg) -> Task (rollwise.tasks.base); 'name:variant' resolves 'name'
     "task": {"arith": "rollwise.tasks.arith:ArithTask", "calc": "rollwise.tasks.calc:CalcTask",
              "packs": "rollwise.tasks.packs:PacksTask", "gym": "rollwise.tasks.gym:GymTask",
-             "file": "rollwise.tasks.files:FileTask"},
+             "file": "rollwise.tasks.files:FileTask",
+             "worked": "rollwise.tasks.worked:WorkedTask"},
     # fn(AdvantageInputs) -> AdvantageOutput
     "advantage": {n: "rollwise.training.advantages:" + f for n, f in (
         ("grpo", "grpo"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo"),

@@ -63,6 +63,8 @@ def warm_start_folder(config: str | None, overrides: list[str], root: str) -> st
     task = load_task(cfg.task)
     model, tok = warm_start(cfg, task,
                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    if cfg.sft.from_path:  # saved as a model folder already, in float32
+        return str(warm_start_path(cfg, task))
     path = f"{warm_start_path(cfg, task)}-model"
     models.save(model, tok, path)
     return path

@@ -183,10 +183,11 @@ def ttrl_reward(config: str | None, overrides: list[str]) -> str:
 def warm_start_of(config: str | None, overrides: list[str], root: str,
                   init: str | None) -> str | None:
     """The folder every arm starts from: --init, else None when the config names a
-    pretrained model (model.path, loaded as is), else its SFT warm start (cached)."""
+    pretrained model loaded as is (model.path), else its SFT warm start (cached)."""
     if init:
         return init
-    if load_config(config, overrides).model.path:
+    cfg = load_config(config, overrides)
+    if cfg.model.path and not cfg.sft.from_path:
         return None
     return warm_start_folder(config, overrides, root)
 

@@ -97,7 +97,7 @@ def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None =
     if cfg.run.init:
         progress.log(f"initial model: {cfg.run.init}")
         return models.load_model(cfg.run.init, cfg.model.dtype, for_training=True)
-    if cfg.model.path:
+    if cfg.model.path and not cfg.sft.from_path:
         progress.log(f"initial model: {cfg.model.path}")
         return models.load_model(cfg.model.path, cfg.model.dtype, for_training=True)
     return warm_start(cfg, task, log=progress.log)
@@ -108,7 +108,7 @@ def model_source(cfg: Config, task, inputs: Inputs) -> str | None:
     saved adapter records it as its base."""
     if inputs.model is not None:
         return None
-    path = cfg.run.init or cfg.model.path
+    path = cfg.run.init or (None if cfg.sft.from_path else cfg.model.path)
     if path:
         where = models.resolve_path(path)
         return str(Path(where).resolve()) if Path(where).is_dir() else where

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 import random
-from typing import Callable
+from typing import Any, Callable
 
 from rollwise.types import Problem
 
@@ -52,10 +52,13 @@ def draw_unique(n: int, draw: Callable[[int], Problem], exclude: set[str], split
     return out
 
 
-def solution_examples(task: Task, tokenizer, noise: float | dict[str, float],
-                      seed: int) -> list[tuple[list[int], int]]:
+def solution_examples(task: Task, tokenizer, noise: float | dict[str, float], seed: int,
+                      encode: Callable[[Any], list[int]] | None = None,
+                      stop_id: int | None = None) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) for every train problem with a worked solution; `noise` is
-    one share for every tier or a share per tier (a tier left out is clean)."""
+    one share for every tier or a share per tier (a tier left out is clean). encode(prompt):
+    the prompt's ids as the run renders them (a chat model's template; default: plain text);
+    stop_id ends each response (default: the tokenizer's eos)."""
     if isinstance(noise, dict):
         unknown = set(noise) - {p.tier for p in task.train}
         if unknown:
@@ -68,8 +71,9 @@ def solution_examples(task: Task, tokenizer, noise: float | dict[str, float],
             continue
         share = noise.get(p.tier, 0.0) if isinstance(noise, dict) else noise
         solution = task.worked_solution(p, rng, noisy=share > 0 and rng.random() < share)
-        prompt = tokenizer(p.prompt)["input_ids"]
-        out.append((prompt + tokenizer(solution)["input_ids"] + [tokenizer.eos_token_id],
+        prompt = encode(p.prompt) if encode else tokenizer(p.prompt)["input_ids"]
+        stop = tokenizer.eos_token_id if stop_id is None else stop_id
+        out.append((prompt + tokenizer(solution, add_special_tokens=False)["input_ids"] + [stop],
                     len(prompt)))
     if not out:
         raise ValueError("the task has no worked solutions to warm-start from; "

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from rollwise import models
 from rollwise.config import Config
@@ -55,6 +56,32 @@ def collate(examples, pad_id: int):
     return ids, attn, labels
 
 
+def backward_in_parts(model, batch, pad_id: int, budget: int, dtype: torch.dtype):
+    """Backpropagate the batch's mean token loss a micro-batch at a time: examples sorted by
+    length and cut at `budget` padded tokens (a long tail padded to its longest would double
+    the work), matrix products in `dtype` over the float32 weights (autocast). Returns the
+    loss (a detached scalar)."""
+    batch = sorted(batch, key=lambda ex: len(ex[0]))
+    parts, part = [], []
+    for ex in batch:
+        if part and (len(part) + 1) * len(ex[0]) > budget:
+            parts.append(part)
+            part = []
+        part.append(ex)
+    parts.append(part)
+    collated = [collate(p, pad_id) for p in parts]
+    trained = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in collated)
+    total = 0.0
+    for ids, attn, labels in collated:
+        with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(),
+                               ignore_index=-100, reduction="sum") / max(trained, 1)
+        loss.backward()
+        total += loss.item()
+    return torch.tensor(total)
+
+
 def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None,
               examples: list[tuple] | None = None):
     """Train in place for cfg.sft.steps; eval_fn(model) -> metrics dict, every eval_every."""
@@ -68,11 +95,15 @@ def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None
     model.train()
     t0 = said = time.time()
     for step in range(1, c.steps + 1):
-        ids, attn, labels = collate(rng.sample(examples, min(c.batch_size, len(examples))),
-                                    tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        batch = rng.sample(examples, min(c.batch_size, len(examples)))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if c.from_path:
+            loss = backward_in_parts(model, batch, tokenizer.pad_token_id, c.microbatch_tokens,
+                                     models.DTYPES[cfg.model.dtype])
+        else:  # the built-in model's warm start: one pass, as its cached starts were made
+            ids, attn, labels = collate(batch, tokenizer.pad_token_id)
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -101,10 +132,15 @@ def warm_start(cfg: Config, task: Task, log=print, eval_fn=None):
     if (path / "config.json").exists():
         log(f"warm start: cached at {path}")
         return models.load_model(path, cfg.model.dtype, for_training=True)
-    model, tok = models.build(cfg.model, seed=cfg.run.seed)
+    # a pretrained model is tuned in float32 (AdamW's small steps survive) and saved so: the
+    # run then loads it in model.dtype with float32 masters, as it loads model.path
+    model, tok = (models.load_model(cfg.model.path, "float32") if cfg.sft.from_path
+                  else models.build(cfg.model, seed=cfg.run.seed))
     log(f"warm start: {models.num_params(model) / 1e6:.2f}M-parameter model, "
-        f"{cfg.sft.steps} SFT steps (cached afterwards at {path})")
+        f"{cfg.sft.steps} SFT steps on {len(examples)} examples (cached afterwards at {path})")
     train_sft(model, tok, task, cfg, log=log, eval_fn=eval_fn, examples=examples)
     path.parent.mkdir(parents=True, exist_ok=True)
     models.save(model, tok, path)
+    if cfg.sft.from_path:
+        return models.load_model(path, cfg.model.dtype, for_training=True)
     return model, tok

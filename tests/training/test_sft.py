@@ -30,3 +30,67 @@ def test_the_cache_key_follows_the_examples(tmp_path):
     examples = sft.examples_for(cfg, task, tok)
     assert sft.warm_start_path(cfg, task) == sft.cache_path(cfg, examples)
     assert sft.cache_path(cfg, examples[:-1]) != sft.cache_path(cfg, examples)
+
+
+def chat_config(tmp_path, *extra):
+    from chat_model import build_chat_model
+    path = build_chat_model(tmp_path / "chat")
+    return load_config(None, [f"model.path={path}", "model.dtype=float32", "task.name=worked",
+                              "task.worked.terms=[2, 4]", "task.worked.max_digits=1",
+                              "task.train_size=24", "task.eval_size=4", "sft.batch_size=6",
+                              "sft.noise=0", f"run.root={tmp_path}", *extra])
+
+
+def test_a_chat_models_examples_are_rendered_as_the_run_renders_its_prompts(tmp_path):
+    from rollwise.tasks.prompts import Prompter
+    cfg = chat_config(tmp_path)
+    task = load_task(cfg.task)
+    tok = models.build_tokenizer(cfg.model)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end != tok.eos_token_id  # the test model's end of turn is not its eos
+    prompter = Prompter.for_task(cfg.task, tok, task)
+    for (ids, plen), p in zip(sft.examples_for(cfg, task, tok), task.train):
+        assert ids[:plen] == prompter.encode(p.prompt)
+        assert ids[-1] == end
+        assert tok.decode(ids[plen:-1]) == p.solution
+
+
+def test_backward_in_parts_gives_the_gradient_of_one_padded_pass(tmp_path):
+    import torch
+    cfg = chat_config(tmp_path)
+    task = load_task(cfg.task)
+    model, tok = models.load_model(cfg.model.path, "float32")
+    batch = sft.examples_for(cfg, task, tok)[:7]
+    assert len({len(ids) for ids, _ in batch}) > 2  # lengths differ: parts are cut
+    ids, attn, labels = sft.collate(batch, tok.pad_token_id)
+    model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    budget = 2 * max(len(x) for x, _ in batch)  # two examples a part at most
+    sft.backward_in_parts(model, batch, tok.pad_token_id, budget, torch.float32)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_from_path_warm_starts_the_model_at_model_path_and_caches_it(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from rollwise.loop.run import Inputs, initial_model, model_source
+    cfg = chat_config(tmp_path, "sft.steps=2", "sft.from_path=true", "sft.lr=1e-2")
+    task = load_task(cfg.task)
+    lines: list[str] = []
+    tuned, _ = sft.warm_start(cfg, task, log=lines.append)
+    assert "2 SFT steps" in lines[0]
+    path = sft.warm_start_path(cfg, task)
+    assert (path / "config.json").exists()
+    base, _ = models.load_model(cfg.model.path, "float32")
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.parameters(), base.parameters()))
+    lines.clear()
+    again, _ = initial_model(cfg, task, SimpleNamespace(log=lines.append))
+    assert lines == [f"warm start: cached at {path}"]
+    assert all(torch.equal(a, b) for a, b in zip(tuned.parameters(), again.parameters()))
+    assert model_source(cfg, task, Inputs()) == str(path.resolve())
+    plain = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"from_path": False})})
+    assert model_source(plain, task, Inputs()) == str((tmp_path / "chat").resolve())

@@ -11,6 +11,7 @@ import abc
 from rollwise.evaluate import evaluate
 from rollwise.stages.generate.rollout import Rollout
 from rollwise.tasks.base import solution_examples
+from rollwise.tasks.prompts import Prompter, end_of_turn_id
 from rollwise.types import Problem
 
 
@@ -40,8 +41,12 @@ class Generator(abc.ABC):
 
     def warm_start_examples(self, cfg, task, tokenizer) -> list[tuple]:
         """The supervised warm start's examples, (token ids, prompt length[, loss mask over
-        the response]). Default: the task's worked solutions with cfg.sft.noise."""
-        return solution_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed)
+        the response]). Default: the task's worked solutions with cfg.sft.noise, after the
+        prompts as the run renders them (a chat model's template, ended by its end of turn)."""
+        prompter = Prompter.for_task(cfg.task, tokenizer, task)
+        stop = end_of_turn_id(tokenizer) if prompter.chat else None
+        return solution_examples(task, tokenizer, cfg.sft.noise, cfg.run.seed,
+                                 encode=prompter.encode, stop_id=stop)
 
     def bind(self, prompter=None, **_) -> None:
         """What the run has for it once built: the prompter (renders prompts of its own,

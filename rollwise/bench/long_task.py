@@ -1,0 +1,123 @@
+"""A long-answer run read back: does the task keep its answers long and its model learning?
+
+    rollwise bench long_task --run runs/<root>/<name> [--last 30] [--json]
+
+From the run's rollout store, per step: the responses' median, 0.9 quantile and mean length in
+tokens, their ratio, the share cut at generate.max_new_tokens, and the mean reward; from its
+metrics.jsonl, held-out pass@1 at each evaluation (and per tier). The goals of a long-answer
+task, checked on them:
+- still learning: the least-squares slope of held-out pass@1 over the evaluations of the last
+  --last steps is positive by more than its standard error;
+- long: the median response is at least 80 tokens at every step;
+- variable: the 0.9 quantile is at least 2.5x the median at every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from rollwise.store.rollouts import RolloutStore
+from rollwise.types import Status
+
+MIN_MEDIAN, MIN_SPREAD = 80, 2.5
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    at = q * (len(xs) - 1)
+    lo = math.floor(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+def length_profile(run_dir: Path) -> list[dict]:
+    store = RolloutStore(run_dir / "rollouts")
+    out = []
+    for step in store.steps():
+        samples = store.samples([step])
+        lengths = [s.num_tokens for s in samples]
+        median = quantile(lengths, 0.5)
+        out.append({"step": step, "samples": len(samples), "median": median,
+                    "q90": quantile(lengths, 0.9), "mean": statistics.fmean(lengths),
+                    "spread": quantile(lengths, 0.9) / max(median, 1),
+                    "truncated": sum(s.status == Status.TRUNCATED for s in samples)
+                    / len(samples),
+                    "reward": statistics.fmean(s.reward for s in samples)})
+    return out
+
+
+def pass1_series(run_dir: Path) -> list[dict]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line
+            continue
+        if "eval/pass1" in m:
+            rows.append({"step": m["step"], "pass1": m["eval/pass1"],
+                         **{k.split("/", 2)[2]: v for k, v in m.items()
+                            if k.startswith("eval/pass1/")}})
+    return rows
+
+
+def slope(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope of y on x and its standard error (nan with fewer than 3 points)."""
+    n = len(points)
+    if n < 3:
+        return math.nan, math.nan
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    rss = sum((y - my - b * (x - mx)) ** 2 for x, y in points)
+    return b, math.sqrt(rss / (n - 2) / sxx)
+
+
+def goals(profile: list[dict], series: list[dict], last: int) -> dict:
+    end = series[-1]["step"] if series else 0
+    tail = [(r["step"], r["pass1"]) for r in series if r["step"] >= end - last]
+    b, se = slope(tail)
+    return {"slope_last": b, "slope_se": se, "slope_points": len(tail),
+            "still_learning": bool(b - se > 0) if not math.isnan(b) else False,
+            "min_median": min((p["median"] for p in profile), default=0),
+            "min_spread": min((p["spread"] for p in profile), default=0),
+            "long": all(p["median"] >= MIN_MEDIAN for p in profile) and bool(profile),
+            "variable": all(p["spread"] >= MIN_SPREAD for p in profile) and bool(profile)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollwise bench long_task", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, type=Path, help="a run directory")
+    ap.add_argument("--last", type=int, default=30, help="steps of the slope fit")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not (args.run / "metrics.jsonl").is_file():
+        ap.error(f"{args.run} has no metrics.jsonl: pass a run directory (runs/<root>/<name>)")
+    profile, series = length_profile(args.run), pass1_series(args.run)
+    out = {"benchmark": "long_task", "run": str(args.run), "lengths": profile,
+           "pass1": series, "goals": goals(profile, series, args.last)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for p in profile:
+        print(f"step {p['step']:4d}: median {p['median']:6.1f} q90 {p['q90']:6.1f} "
+              f"({p['spread']:.2f}x) truncated {p['truncated']:.1%} reward {p['reward']:.3f}")
+    for r in series:
+        print(f"eval at step {r['step']}: pass@1 {r['pass1']:.3f}")
+    g = out["goals"]
+    print(f"slope over the last {args.last} steps: {g['slope_last']:.5f} ± {g['slope_se']:.5f} "
+          f"a step ({g['slope_points']} evaluations); still learning: {g['still_learning']}; "
+          f"median >= {MIN_MEDIAN}: {g['long']} (lowest {g['min_median']:.0f}); q90 >= "
+          f"{MIN_SPREAD}x median: {g['variable']} (lowest {g['min_spread']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

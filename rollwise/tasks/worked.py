@@ -1,0 +1,117 @@
+"""Running sums written step by step: a long-answer task for a real chat model.
+
+    task.name=worked task.worked.terms='[3, 30]'
+
+A problem is a chain of 3 to 30 integers added and subtracted ("Compute 47 + 18 - 9 + 93 step
+by step"); its worked solution writes the running total one line per term, then the answer:
+
+    47 + 18 = 65
+    65 - 9 = 56
+    56 + 93 = 149
+    \\boxed{149}
+
+so a response's length follows the problem's size (about 13 tokens a line with SmolLM2's
+digit-per-token vocabulary), and the task's scorer gives 1 only when every step line is there,
+in order, and right, and the boxed answer is the sum: a right answer reached by skipped or
+wrong steps scores 0. The number of terms is log-uniform over task.worked.terms, so lengths
+are long-tailed (most chains short, some very long); a problem's tier is its size bucket.
+The noisy teacher (sft.noise of the solutions) slips once, a total off by one in a random
+line that the later lines carry on, so the warm start is unsure at single steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+from rollwise.config import TaskConfig
+from rollwise.tasks.base import Task, draw_unique
+from rollwise.tasks.extract import last_boxed
+from rollwise.types import Problem
+
+MAX_SCORED_CHARS = 20_000  # a longer response is read no further (the scorer runs in-process)
+_STEP = re.compile(r"^\s*(\d{1,12})\s*([+-])\s*(\d{1,12})\s*=\s*(-?\d{1,13})\s*$")
+
+
+def steps_of(terms: list[int], slip: tuple[int, int] | None = None) -> list[str]:
+    """The step lines 'total op term = new total'; a negative term is subtracted. slip =
+    (line, amount): that line's total is off by `amount`, and later lines carry it on."""
+    lines, total = [], terms[0]
+    for i, t in enumerate(terms[1:]):
+        new = total + t + (slip[1] if slip and slip[0] == i else 0)
+        lines.append(f"{total} {'-' if t < 0 else '+'} {abs(t)} = {new}")
+        total = new
+    return lines
+
+
+def solution_of(terms: list[int], slip: tuple[int, int] | None = None) -> str:
+    lines = steps_of(terms, slip)
+    final = int(lines[-1].rsplit("=", 1)[1])
+    return "\n".join(lines + [f"\\boxed{{{final}}}"])
+
+
+def draw_terms(rng: random.Random, lo: int, hi: int, max_digits: int,
+               subtract: float) -> list[int]:
+    """A chain of n terms, n log-uniform on [lo, hi]; each term has 1 to max_digits digits
+    (uniform), and after the first is subtracted with probability `subtract` when the total
+    stays >= 0."""
+    n = min(hi, int(lo * math.exp(rng.random() * math.log((hi + 1) / lo))))
+    terms, total = [], 0
+    for i in range(n):
+        d = rng.randint(1, max_digits)
+        t = rng.randint(1 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
+        if i and t <= total and rng.random() < subtract:
+            t = -t
+        terms.append(t)
+        total += t
+    return terms
+
+
+def size_tiers(lo: int, hi: int) -> list[tuple[int, int, str]]:
+    """Three size buckets splitting [lo, hi] geometrically (the draw's own scale)."""
+    edges = [lo] + [round(lo * ((hi + 1) / lo) ** (k / 3)) for k in (1, 2)] + [hi + 1]
+    return [(a, b - 1, f"terms{a}-{b - 1}") for a, b in zip(edges, edges[1:]) if b > a]
+
+
+class WorkedTask(Task):
+    def __init__(self, cfg: TaskConfig):
+        w = cfg.worked
+        self.tiers = size_tiers(*w.terms)
+        rng = random.Random(cfg.seed)
+        seen: set[str] = set()
+        self.eval = draw_unique(cfg.eval_size, self._drawer(rng, w, "eval"), seen, "eval",
+                                "task worked")
+        self.train = draw_unique(cfg.train_size, self._drawer(rng, w, "train"), seen,
+                                 "train", "task worked")
+
+    def _drawer(self, rng: random.Random, w, split: str):
+        def draw(i: int) -> Problem:
+            terms = draw_terms(rng, *w.terms, w.max_digits, w.subtract)
+            chain = str(terms[0]) + "".join(f" {'-' if t < 0 else '+'} {abs(t)}"
+                                            for t in terms[1:])
+            return Problem(id=f"{split}-{i}", prompt=w.prompt.replace("{chain}", chain),
+                           answer=str(sum(terms)), tier=self.tier_of(len(terms)),
+                           solution=solution_of(terms), data={"terms": terms})
+        return draw
+
+    def tier_of(self, n: int) -> str:
+        return next(name for a, b, name in self.tiers if a <= n <= b)
+
+    def worked_solution(self, problem: Problem, rng: random.Random, noisy: bool) -> str:
+        if not noisy:
+            return problem.solution
+        terms = problem.data["terms"]
+        return solution_of(terms, (rng.randrange(len(terms) - 1), rng.choice((-1, 1))))
+
+    def extract_answer(self, response: str) -> str | None:
+        return last_boxed(response[-MAX_SCORED_CHARS:])
+
+    def score_fn(self, response: str, problem: Problem) -> float:
+        """1 when the response's step lines are exactly the chain's running totals, in order,
+        and the boxed answer is the sum; other lines (words, blank lines) are ignored."""
+        if len(response) > MAX_SCORED_CHARS:
+            return 0.0
+        written = [m.groups() for m in map(_STEP.match, response.splitlines()) if m]
+        expected = [_STEP.match(s).groups() for s in steps_of(problem.data["terms"])]
+        return float(written == expected and self.extract_answer(response) == problem.answer)

@@ -1,0 +1,58 @@
+"""The long-answer read-back (rollwise bench long_task): quantiles and the slope against numpy,
+and the goals on a run directory written by hand."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from rollwise.bench import long_task
+from rollwise.store.rollouts import RolloutStore
+from rollwise.types import Sample, Status
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_quantiles_and_the_slope_agree_with_numpy(seed):
+    rng = random.Random(seed)
+    xs = [rng.randint(1, 400) for _ in range(rng.randint(1, 60))]
+    for q in (0.1, 0.5, 0.9):
+        assert long_task.quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)))
+    pts = [(float(s), 0.3 + 0.002 * s + rng.gauss(0, 0.02)) for s in range(0, 80, 5)]
+    b, se = long_task.slope(pts)
+    coef, cov = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1, cov=True)
+    assert b == pytest.approx(coef[0]) and se == pytest.approx(float(np.sqrt(cov[0, 0])))
+    assert all(np.isnan(v) for v in long_task.slope(pts[:2]))
+
+
+def write_run(run, lengths_by_step, pass1_by_step, max_new=40):
+    store = RolloutStore(run / "rollouts")
+    for step, lengths in lengths_by_step.items():
+        samples = [Sample(prompt_id="p", prompt_ids=[1], response_ids=[2] * n,
+                          status=Status.TRUNCATED if n >= max_new else Status.COMPLETED,
+                          reward=float(n % 2)) for n in lengths]
+        store.append(step, samples, ["p"] * len(samples), ["r"] * len(samples))
+    rows = [{"step": s, "eval/pass1": p, "eval/pass1/terms3-6": p + 0.1}
+            for s, p in pass1_by_step.items()]
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n{torn")
+
+
+def test_goals_of_a_run_that_keeps_long_answers_and_keeps_learning(tmp_path):
+    lengths = {s: [80, 85, 90, 95, 100, 120, 200, 230, 250, 260] for s in range(1, 4)}
+    pass1 = {s: 0.2 + 0.001 * s + (0.002 if s % 20 else -0.002) for s in range(0, 70, 10)}
+    write_run(tmp_path, lengths, pass1, max_new=250)
+    profile, series = long_task.length_profile(tmp_path), long_task.pass1_series(tmp_path)
+    assert [p["step"] for p in profile] == [1, 2, 3]
+    assert profile[0]["median"] == 110 and profile[0]["truncated"] == 0.2
+    assert profile[0]["q90"] == pytest.approx(np.quantile(lengths[1], 0.9))
+    assert series[-1] == {"step": 60, "pass1": pass1[60], "terms3-6": pass1[60] + 0.1}
+    g = long_task.goals(profile, series, last=30)
+    assert g["slope_points"] == 4 and g["long"]
+    assert g["slope_last"] > 0 and g["still_learning"]
+    assert g["min_spread"] == pytest.approx(251 / 110) and not g["variable"]  # q90 2.28x
+
+
+def test_a_flat_or_short_run_misses_its_goals(tmp_path):
+    write_run(tmp_path, {1: [10, 20, 30, 40, 300]}, {s: 0.3 for s in range(0, 70, 10)})
+    g = long_task.goals(long_task.length_profile(tmp_path), long_task.pass1_series(tmp_path), 30)
+    assert not g["still_learning"] and not g["long"] and g["min_median"] == 30
