@@ -301,3 +301,21 @@ def test_ttrl_arms_train_on_the_vote_and_score_held_out_like_the_others():
             scorer.close()
     # a config whose reward carries no ground truth: the vote alone
     assert methods.ttrl_reward(None, ["filter.reward=majority"]) == "filter.reward=majority"
+
+
+def test_a_config_that_warm_starts_its_pretrained_model_benches_from_the_warm_start(tmp_path):
+    """model.path with sft.from_path: every arm starts from the cached float32 warm start
+    (its folder as saved), not from the model as fetched; without from_path, from model.path."""
+    from chat_model import build_chat_model
+
+    from rollwise.training.sft import warm_start_path
+    path = build_chat_model(tmp_path / "chat")
+    base = [f"model.path={path}", "task.name=worked", "task.worked.terms=[2, 3]",
+            "task.train_size=12", "task.eval_size=4", "sft.steps=1", "sft.batch_size=4"]
+    assert methods.warm_start_of(None, base, str(tmp_path), None) is None
+    tuned = methods.warm_start_of(None, base + ["sft.from_path=true"], str(tmp_path), None)
+    cfg = load_config(None, base + ["sft.from_path=true", f"run.root={tmp_path}"])
+    assert tuned == str(warm_start_path(cfg, load_task(cfg.task)))
+    from safetensors.torch import load_file
+    weights = load_file(f"{tuned}/model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}  # the masters' precision
