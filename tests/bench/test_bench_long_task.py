@@ -56,3 +56,12 @@ def test_a_flat_or_short_run_misses_its_goals(tmp_path):
     write_run(tmp_path, {1: [10, 20, 30, 40, 300]}, {s: 0.3 for s in range(0, 70, 10)})
     g = long_task.goals(long_task.length_profile(tmp_path), long_task.pass1_series(tmp_path), 30)
     assert not g["still_learning"] and not g["long"] and g["min_median"] == 30
+
+
+def test_a_window_pools_the_steps_it_covers(tmp_path):
+    lengths = {s: [10 * s] * 4 for s in range(1, 6)}
+    write_run(tmp_path, lengths, {0: 0.1}, max_new=1000)
+    rows = long_task.length_profile(tmp_path, window=2)
+    assert [(r["step"], r["samples"]) for r in rows] == [(1, 8), (3, 8), (5, 4)]
+    assert rows[1]["median"] == 35
+    assert rows[1]["q90"] == pytest.approx(np.quantile([30] * 4 + [40] * 4, 0.9))
