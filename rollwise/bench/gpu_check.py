@@ -191,7 +191,7 @@ def profile(device: str, tiny: bool) -> dict:
     """Is the device kept busy? Decode of 64 sequences × 32 tokens (built-in and HF) and one
     update of 2 groups × 8 × 512 tokens, SmolLM2's shape in bf16 (the tiny model: a few), with
     the update's levers (chunked logits, fused AdamW) and without, and with packed rows attended
-    the other way (by segments or through the dense mask) than `auto` takes on the device.
+    through the dense mask instead of by segments.
     Last of the parts: about two minutes on an H100, most of it the profiler's own cost."""
     from rollwise.bench import gpu
     from rollwise.bench.trainer import loop_optimizer
@@ -209,8 +209,8 @@ def profile(device: str, tiny: bool) -> dict:
     cfg = TrainConfig(minibatches=1, max_tokens_per_microbatch=16384, lr=1e-6)
     trainer = Trainer(model, cfg, pad_id=0)
     out["train_update"] = profiled(lambda: trainer.update(groups), device)
-    # the packed-attention arm that auto did not take on this device
-    other = "segments" if device == "cpu" else "mask"
+    # packed rows through the dense mask (auto attends them by segments)
+    other = "mask"
     del trainer
     packed_attention.disable(model)
     trainer = Trainer(model, cfg.model_copy(update={"packed_attention": other}), pad_id=0)

@@ -369,10 +369,7 @@ class Trainer:
         the layout and agrees; else through the dense mask where that agrees; else no
         packing."""
         packed = pack(sub, fill=True)
-        choice = self.cfg.packed_attention
-        if choice == "auto":
-            choice = "mask" if next(model.parameters()).device.type == "cpu" else "segments"
-        self._segments = choice == "segments" and packed_attention.enable(model)
+        self._segments = self.cfg.packed_attention != "mask" and packed_attention.enable(model)
         asked = self.cfg.packed_attention == "segments"
         if asked and not self._segments:
             warnings.warn(f"train.packed_attention=segments: the model attends with "
