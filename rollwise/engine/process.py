@@ -27,6 +27,7 @@ from rollwise.sync.payload import dtype_name, from_wire, pack_meta, to_dtype, to
 from rollwise.sync.receiver import Ack, EngineState, Receiver
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import GrowingBuffer, ProcessTransport, SharedArena
+from rollwise.training import packed_attention
 from rollwise.waits import STARTUP_S, NoAnswer, Peer, PeerDied, answers, bounded, deliver
 
 
@@ -49,7 +50,7 @@ class EngineProcess(Engine):
         self._local = GrowingBuffer()  # the socket wire's arena, in this process
         ctx = mp.get_context("spawn")  # fork would copy a threaded torch runtime
         self._conn, child = ctx.Pipe()
-        init = {"cls": type(model), "config": model.config,
+        init = {"cls": type(model), "config": packed_attention.portable(model.config),
                 "buffers": {n: to_wire(b) for n, b in model.named_buffers()},
                 "dtype": None if dtype is None else dtype_name(dtype),
                 "threads": threads or torch.get_num_threads(), "engine_kwargs": engine_kwargs}

@@ -50,6 +50,7 @@ from rollwise.sync.payload import dtype_name, from_wire, pack_meta, to_dtype, to
 from rollwise.sync.receiver import Receiver
 from rollwise.sync.sender import Sender
 from rollwise.sync.transport import GrowingBuffer
+from rollwise.training import packed_attention
 from rollwise.waits import STARTUP_S, PeerDied
 
 COLUMNS = ("token_ids", "logprobs", "entropies", "versions")
@@ -125,7 +126,8 @@ class WorkerPool(Engine):
         if n_workers < 1:
             raise ValueError(f"loop.rollout_workers = {n_workers}: need at least 1")
         self.timeout = timeout_s
-        self.init = {"cls": type(model), "config": model.config, "backend": backend,
+        self.init = {"cls": type(model), "config": packed_attention.portable(model.config),
+                     "backend": backend,
                      "buffers": {n: to_wire(b) for n, b in model.named_buffers()},
                      "dtype": None if dtype is None else dtype_name(dtype),
                      "threads": threads, "engine_kwargs": engine_kwargs}

@@ -171,6 +171,21 @@ def enable(model) -> bool:
     return True
 
 
+def portable(config):
+    """The config as another process can build it: a copy attending by SDPA where enable()
+    switched it (that process has not registered ATTN_NAME, and needs no layout)."""
+    import copy
+    if getattr(config, "_attn_implementation", None) != ATTN_NAME and not any(
+            getattr(getattr(config, k, None), "_attn_implementation", None) == ATTN_NAME
+            for k in getattr(config, "sub_configs", {})):
+        return config
+    config = copy.deepcopy(config)
+    for c in [config] + [getattr(config, k, None) for k in getattr(config, "sub_configs", {})]:
+        if getattr(c, "_attn_implementation", None) == ATTN_NAME:
+            c._attn_implementation = "sdpa"
+    return config
+
+
 def disable(model) -> None:
     """Back to SDPA where enable() switched."""
     for module in model.modules():

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rollwise.sync.payload import from_wire, to_wire
+from rollwise.training import packed_attention
 from rollwise.training.trainer import Trainer
 from rollwise.waits import STARTUP_S, NoAnswer, Peer, PeerDied, answers, deliver
 
@@ -61,8 +62,8 @@ class ShardedTrainer:
                              "model.dtype=float32 (the engine may still run sync.engine_dtype)")
         self.model, self.cfg, self.version = model, cfg, 0
         self.world = world_size
-        init = {"cls": type(model), "config": model.config, "cfg": cfg, "pad_id": pad_id,
-                "seed": seed, "world": world_size,
+        init = {"cls": type(model), "config": packed_attention.portable(model.config), "cfg": cfg,
+                "pad_id": pad_id, "seed": seed, "world": world_size,
                 "state": {k: to_wire(v) for k, v in model.state_dict().items()}}
         self.ranks = (ranks or ProcessRanks)(init, world_size, timeout_s)
 

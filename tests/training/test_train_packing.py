@@ -287,3 +287,18 @@ def test_segments_asked_of_a_model_that_does_not_attend_by_sdpa_warn_and_use_the
         trainer.update(clone(groups))
     assert trainer._pack is True and trainer._segments is False
     assert eager.config._attn_implementation == "eager"
+
+
+def test_a_switched_models_config_is_shipped_to_other_processes_as_sdpa(tiny):
+    """Engine workers and FSDP2 ranks rebuild the model from its config in processes that
+    have not registered packed attention: the config they get attends by SDPA, and the
+    trainer's own model keeps attending by segments."""
+    from transformers import AutoModelForCausalLM
+    model = attending(tiny[0], "segments")
+    shipped = packed_attention.portable(model.config)
+    assert shipped._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == packed_attention.ATTN_NAME
+    rebuilt = AutoModelForCausalLM.from_config(shipped)
+    assert rebuilt.config._attn_implementation == "sdpa"
+    plain = copy.deepcopy(tiny[0]).config
+    assert packed_attention.portable(plain) is plain  # nothing to change, nothing copied
