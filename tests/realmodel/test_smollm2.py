@@ -82,17 +82,20 @@ def _bf16_update(model, pad_id):
 
 def test_packing_stays_on_in_bf16_and_off_for_a_model_that_ignores_its_mask(folder):
     """bf16 rounds the packed and the padded layouts differently (a mean gap of about 0.03 on
-    this model); that must not turn packing off. A model ignoring the packing mask still must
-    (a mean gap of about 1.3)."""
+    this model); that must not turn packing off, by segments or through the mask. A model
+    ignoring the packing mask and the segment layout still must (a mean gap of about 1.3)."""
     model, tok = models.load_model(NAME, "bfloat16")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert _bf16_update(model, tok.pad_token_id)._pack is True
+        trainer = _bf16_update(model, tok.pad_token_id)
+        assert trainer._pack is True and trainer._segments is True
+    model, tok = models.load_model(NAME, "bfloat16")
     forward = model.forward
 
     def ignores_mask(*args, **kwargs):
         if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].dim() == 4:
             kwargs["attention_mask"] = None
+        kwargs.pop("packed_layout", None)
         return forward(*args, **kwargs)
     model.forward = ignores_mask
     with pytest.warns(RuntimeWarning, match="on average"):
