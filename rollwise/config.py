@@ -1032,6 +1032,13 @@ class SFTConfig(Section):
     microbatch_tokens: int = Field(4096, gt=0)
     """With from_path: padded tokens per forward pass (bounds the logits' memory)."""
 
+    @model_validator(mode="after")
+    def _pretrained_lr(self):
+        if self.from_path and "lr" not in self.model_fields_set:
+            raise ValueError("sft.from_path tunes a pretrained model: set sft.lr for it (e.g. "
+                             "5e-5); the default 1e-3 is the built-in model's from scratch")
+        return self
+
 
 class SyncConfig(Section):
     mode: Literal["full", "sparse"] = "full"

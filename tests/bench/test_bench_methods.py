@@ -311,7 +311,8 @@ def test_a_config_that_warm_starts_its_pretrained_model_benches_from_the_warm_st
     from rollwise.training.sft import warm_start_path
     path = build_chat_model(tmp_path / "chat")
     base = [f"model.path={path}", "task.name=worked", "task.worked.terms=[2, 3]",
-            "task.train_size=12", "task.eval_size=4", "sft.steps=1", "sft.batch_size=4"]
+            "task.train_size=12", "task.eval_size=4", "sft.steps=1", "sft.batch_size=4",
+            "sft.lr=1e-4"]
     assert methods.warm_start_of(None, base, str(tmp_path), None) is None
     tuned = methods.warm_start_of(None, base + ["sft.from_path=true"], str(tmp_path), None)
     cfg = load_config(None, base + ["sft.from_path=true", f"run.root={tmp_path}"])

@@ -94,3 +94,12 @@ def test_from_path_warm_starts_the_model_at_model_path_and_caches_it(tmp_path):
     assert model_source(cfg, task, Inputs()) == str(path.resolve())
     plain = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"from_path": False})})
     assert model_source(plain, task, Inputs()) == str((tmp_path / "chat").resolve())
+
+
+def test_from_path_without_its_own_learning_rate_is_refused_before_any_work():
+    import pytest
+
+    from rollwise.config import ConfigError
+    with pytest.raises(ConfigError, match="set sft.lr"):
+        load_config(None, ["sft.from_path=true"])
+    assert load_config(None, ["sft.from_path=true", "sft.lr=5e-5"]).sft.lr == 5e-5
