@@ -209,12 +209,10 @@ def profile(device: str, tiny: bool) -> dict:
     cfg = TrainConfig(minibatches=1, max_tokens_per_microbatch=16384, lr=1e-6)
     trainer = Trainer(model, cfg, pad_id=0)
     out["train_update"] = profiled(lambda: trainer.update(groups), device)
-    # packed rows through the dense mask (auto attends them by segments)
-    other = "mask"
-    del trainer
+    del trainer  # packed rows through the dense mask (auto attends them by segments)
     packed_attention.disable(model)
-    trainer = Trainer(model, cfg.model_copy(update={"packed_attention": other}), pad_id=0)
-    out[f"train_update_attention_{other}"] = profiled(lambda: trainer.update(groups), device)
+    trainer = Trainer(model, cfg.model_copy(update={"packed_attention": "mask"}), pad_id=0)
+    out["train_update_attention_mask"] = profiled(lambda: trainer.update(groups), device)
     del trainer
     packed_attention.disable(model)
     with loop_optimizer():  # the update without its levers: full logits, AdamW's loop

@@ -231,7 +231,6 @@ def packed_token_logprobs(model, batch: Batch, packed: Packed, entropy_grad: boo
     None: through the full logits. A model switched to packed attention (enable) attends by
     segments; any other through the dense mask."""
     dev, home = model.device, batch.input_ids.device  # the model's device; the batch stays home
-    attend: dict = {}
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl == ATTN_NAME:  # the mask argument is a placeholder HF passes through unchanged
         attend = {"attention_mask": _PLACEHOLDER.to(dev), "packed_layout": packed.layout().to(dev)}
