@@ -190,8 +190,9 @@ def profiled(fn, device: str) -> dict:
 def profile(device: str, tiny: bool) -> dict:
     """Is the device kept busy? Decode of 64 sequences × 32 tokens (built-in and HF) and one
     update of 2 groups × 8 × 512 tokens, SmolLM2's shape in bf16 (the tiny model: a few), with
-    the update's levers (chunked logits, fused AdamW) and without, and with packed rows attended
-    through the dense mask instead of by segments.
+    the update's levers (chunked logits, fused AdamW) and without, with packed rows attended
+    through the dense mask instead of by segments, and with the blocks' norms and MLPs
+    compiled (train.compile_blocks).
     Last of the parts: about two minutes on an H100, most of it the profiler's own cost."""
     from rollwise.bench import gpu
     from rollwise.bench.trainer import loop_optimizer
@@ -215,6 +216,10 @@ def profile(device: str, tiny: bool) -> dict:
     out["train_update_attention_mask"] = profiled(lambda: trainer.update(groups), device)
     del trainer
     packed_attention.disable(model)
+    trainer = Trainer(copy.deepcopy(model), cfg.model_copy(update={"compile_blocks": True}),
+                      pad_id=0)  # compiled in the warm-up run; the profile is of a later one
+    out["train_update_compiled_blocks"] = profiled(lambda: trainer.update(groups), device)
+    del trainer
     with loop_optimizer():  # the update without its levers: full logits, AdamW's loop
         trainer = Trainer(model, cfg.model_copy(update={"chunked_logits": False}), pad_id=0)
     out["train_update_without_levers"] = profiled(lambda: trainer.update(groups), device)

@@ -21,9 +21,13 @@ shapes: where whole updates in separate processes are too noisy to split a few s
   computes and the largest difference of the log-probabilities are reported.
 
 - layer: the same pass with every decoder layer eager against torch.compile'd (one compiled
-  module per layer, shared code; the packed rows' shapes fixed, the best case for a
-  compiler); the compile's seconds (the compiled arm's first pass less an eager one) and the
-  largest difference of the log-probabilities are reported.
+  module per layer, shared code), each arm over --layer-batches distinct batches as a run
+  changes shapes and layouts from step to step (1: fixed shapes, the best case for a
+  compiler).
+- parts: the same, each layer's norms and MLP compiled with dynamic shapes instead
+  (train.compile_blocks). Reported for both: the compile's seconds (the compiled arm's
+  first round less its median one, recompiles included), the graphs compiled, and each arm's
+  largest difference from the same pass in float32 (is the compiled rounding worse?).
 
 Each lever's two arms alternate --repeats times after a warm-up; medians and their ratio.
 --levers picks some (default: all).
@@ -32,6 +36,7 @@ Each lever's two arms alternate --repeats times after a warm-up; medians and the
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -42,6 +47,7 @@ import time
 import torch
 
 from rollwise.training import packed_attention
+from rollwise.training.compiled import compile_block_parts
 from rollwise.training.head import chunk_tokens, head_logprobs
 from rollwise.training.losses import (
     LossParams,
@@ -178,32 +184,56 @@ def attention_arms(model, batch: Batch) -> tuple[dict, dict]:
     return {"dense mask": dense, "segments": segments}, facts
 
 
-def layer_arms(model, batch: Batch) -> tuple[dict, dict]:
-    packed = pack(batch, fill=True)
+def layer_arms(model, batches: list[Batch], part: str = "block") -> tuple[dict, dict]:
+    """The model's packed pass eager against compiled, each arm one pass over every batch
+    (distinct batches are a run's changing shapes and layouts): part "block" compiles every
+    decoder block whole (static shapes), "parts" each block's norms and MLP with dynamic
+    shapes (rollwise.training.compiled, the trainer's train.compile_blocks). Reported: the
+    compiled arm's first round's seconds (compiles and recompiles), the graphs Dynamo
+    compiled, and each arm's largest log-probability difference from float32."""
+    from torch._dynamo.utils import counters
+    packed_attention.enable(model)  # the trainer's default where the model attends by SDPA
+    packs = [pack(b, fill=True) for b in batches]
     chunk = chunk_tokens(model.get_output_embeddings().weight.shape[0])
+    wide = copy.deepcopy(model).float()  # the float32 reference, eager
     layers = model.get_decoder().layers
     eager = list(layers)
-    compiled = [torch.compile(layer) for layer in eager]
+    if part == "block":
+        fast_model, compiled = model, [torch.compile(layer) for layer in eager]
+    else:
+        fast_model, compiled = copy.deepcopy(model), eager
+        compile_block_parts(fast_model)
 
-    def run(mods):
+    def one_pass(m, batch, packed):
+        lp, _ = packed_token_logprobs(m, batch, packed, chunk=chunk)
+        lp[batch.loss_mask > 0].sum().backward()
+        m.zero_grad(set_to_none=True)
+        return lp.detach().float()
+
+    def run(m, mods):
         def once():
-            for i, m in enumerate(mods):
-                layers[i] = m
-            lp, _ = packed_token_logprobs(model, batch, packed, chunk=chunk)
-            lp[batch.loss_mask > 0].sum().backward()
-            model.zero_grad(set_to_none=True)
-            return lp.detach()
+            for i, mod in enumerate(mods):
+                layers[i] = mod
+            return [one_pass(m, b, p) for b, p in zip(batches, packs)]
         return once
-    plain, fast = run(eager), run(compiled)
-    t = time.perf_counter()
+    plain, fast = run(model, eager), run(fast_model, compiled)
     reference = plain()
-    eager_s = time.perf_counter() - t
+    graphs_before = counters["stats"]["unique_graphs"]
     t = time.perf_counter()
-    got = fast()  # compiles
-    compile_s = time.perf_counter() - t - eager_s
-    gap = float((reference - got).abs()[batch.loss_mask > 0].max())
-    return {"eager": plain, "torch.compile": fast}, {"compile_seconds": compile_s,
-                                                     "logprob_gap": gap}
+    got = fast()  # compiles, and recompiles where a batch's shapes or layout differ
+    first_round_s = time.perf_counter() - t
+    exact = one_pass(wide, batches[0], packs[0])
+    del wide
+    scored = batches[0].loss_mask > 0
+
+    def gap(a, b):
+        return float((a - b).abs()[scored].max())
+    return {"eager": plain, "torch.compile": fast}, {
+        "batches": len(batches), "first_round_seconds": first_round_s,
+        "graphs_compiled": counters["stats"]["unique_graphs"] - graphs_before,
+        "logprob_gap": max(float((r - g).abs()[b.loss_mask > 0].max())
+                           for r, g, b in zip(reference, got, batches)),
+        "eager_vs_fp32": gap(reference[0], exact), "compiled_vs_fp32": gap(got[0], exact)}
 
 
 def copy_to_master(master: MasterWeights, copy) -> None:
@@ -239,7 +269,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64,
                     help="prompt length of the attention lever's packed rows")
-    ap.add_argument("--levers", default="head,optimizer,loss,attention,layer")
+    ap.add_argument("--layer-batches", type=int, default=4,
+                    help="distinct batches (shapes, layouts) the layer lever passes over")
+    ap.add_argument("--levers", default="head,optimizer,loss,attention,layer,parts")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -250,10 +282,10 @@ def main(argv: list[str]) -> int:
     model, _ = models.build(cfg.model)
     model.requires_grad_(True)
     levers = args.levers.split(",")
-    unknown = set(levers) - {"head", "optimizer", "loss", "attention", "layer"}
+    known = ["head", "optimizer", "loss", "attention", "layer", "parts"]
+    unknown = set(levers) - set(known)
     if unknown:
-        ap.error(f"--levers: unknown {sorted(unknown)}; choose from head, optimizer, loss, "
-                 f"attention, layer")
+        ap.error(f"--levers: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     out = {"benchmark": "levers", "config": args.config, "dtype": str(model.dtype),
            "tokens": args.tokens, "threads": args.threads}
     if "head" in levers:
@@ -269,19 +301,32 @@ def main(argv: list[str]) -> int:
         arms, facts = attention_arms(model, batch)
         out["attention"] = {**alternate(arms, args.repeats), **facts,
                             "prompt_tokens": args.prompt_tokens}
-    if "layer" in levers:
-        arms, facts = layer_arms(model, batch)
-        out["layer"] = {**alternate(arms, args.repeats), **facts}
+    batches = [batch] + [packed_batch(model.config.vocab_size, args.tokens, args.prompt_tokens,
+                                      cfg.generate.max_new_tokens, seed)
+                         for seed in range(1, args.layer_batches)]
+    for lever, part in (("layer", "block"), ("parts", "parts")):
+        if lever in levers:
+            arms, facts = layer_arms(model, batches, part)
+            out[lever] = {**alternate(arms, args.repeats), **facts}
+            out[lever]["compile_seconds"] = (  # the first round less a compiled one
+                facts["first_round_seconds"] - out[lever]["seconds"]["torch.compile"])
     if args.json:
         print(json.dumps(out))
     else:
         for lever in levers:
             (a, ta), (b, tb) = out[lever]["seconds"].items()
             print(f"{lever}: {a} {ta:.4f} s, {b} {tb:.4f} s: {out[lever]['speedup']:.2f}x")
-        for lever, gap in (("loss", "loss_gap"), ("layer", "logprob_gap")):
+        for lever, gap in (("loss", "loss_gap"), ("layer", "logprob_gap"),
+                           ("parts", "logprob_gap")):
             if lever in out:
                 print(f"{lever}: compiled in {out[lever]['compile_seconds']:.1f} s, "
                       f"difference {out[lever][gap]:.1e}")
+        for lever in ("layer", "parts"):
+            if lever in out:
+                a = out[lever]
+                print(f"{lever}: {a['batches']} batches, {a['graphs_compiled']} graphs "
+                      f"compiled; largest difference from float32: eager "
+                      f"{a['eager_vs_fp32']:.2f}, compiled {a['compiled_vs_fp32']:.2f}")
         if "attention" in out:
             a = out["attention"]
             print(f"attention: {a['rows']} rows of {a['row_tokens']} tokens, scores "

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from rollwise.sync.payload import from_wire, to_wire
 from rollwise.training import packed_attention
+from rollwise.training.compiled import blocks
 from rollwise.training.trainer import Trainer
 from rollwise.waits import STARTUP_S, NoAnswer, Peer, PeerDied, answers, deliver
 
@@ -194,23 +195,12 @@ def build_rank(rank: int, init: dict):
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         model.cuda()
-    for layer in _blocks(model):
+    for layer in blocks(model):
         fully_shard(layer)
     fully_shard(model)
     trainer = Trainer(model, init["cfg"], pad_id=init["pad_id"], seed=init["seed"])
     trainer.shard = (rank, init["world"])
     return trainer
-
-
-def _blocks(model) -> list:
-    """The transformer blocks (each its own FSDP unit): a Hugging Face model's layer list."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if obj is not None:
-            return list(obj)
-    return []
 
 
 def _full_weights(model) -> dict:

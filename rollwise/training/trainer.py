@@ -32,6 +32,7 @@ from rollwise.training.advantages import (
     no_shaping,
 )
 from rollwise.training.broad import mass_balance, subsample_rows
+from rollwise.training.compiled import compile_block_parts
 from rollwise.training.confidence import echo_clip, policy_token_stats
 from rollwise.training.downsample import keep_fraction, sample_keep, token_keep
 from rollwise.training.head import captured_head, chunk_tokens, fusable
@@ -189,6 +190,9 @@ class Trainer:
         self.ref_model = None  # with LoRA the reference is the model with adapters disabled
         if cfg.kl_coef > 0 and not self.adapters:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.compile_blocks and not compile_block_parts(model):
+            warnings.warn(f"train.compile_blocks: no decoder blocks found in "
+                          f"{type(model).__name__}; the model runs eager", RuntimeWarning)
         self._pack = cfg.pack_prompts  # off if the model disagrees
         self._segments = False  # packed rows attended by segments (set by the first check)
         self.token_budget = self._token_budget(model)  # tokens per forward pass, or None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from rollwise.bench.levers import attention_arms, layer_arms, loss_arms, packed_batch
 
 
@@ -29,12 +31,37 @@ def test_the_attention_arms_agree_and_segments_compute_fewer_scores(tiny):
         once()
 
 
-def test_the_compiled_layers_give_the_eager_pass_and_both_arms_step(tiny):
+def test_the_compiled_layers_give_the_eager_pass_over_changing_shapes(tiny):
     model = copy.deepcopy(tiny[0])
-    batch = packed_batch(model.config.vocab_size, 100, prompt=6, longest=20)
-    arms, facts = layer_arms(model, batch)
+    batches = [packed_batch(model.config.vocab_size, 100, prompt=6, longest=n, seed=s)
+               for s, n in ((0, 20), (1, 40))]
+    assert batches[0].loss_mask.shape != batches[1].loss_mask.shape
+    arms, facts = layer_arms(model, batches)
     assert list(arms) == ["eager", "torch.compile"]
-    assert facts["logprob_gap"] < 1e-5 and facts["compile_seconds"] > 0
+    assert facts["batches"] == 2 and facts["graphs_compiled"] >= 1
+    assert facts["logprob_gap"] < 1e-5 and facts["first_round_seconds"] > 0
+    # the tiny model is float32: both arms are their own float32 reference
+    assert facts["eager_vs_fp32"] < 1e-6 and facts["compiled_vs_fp32"] < 1e-5
     for once in arms.values():
-        once()
+        assert len(once()) == 2
     assert all(type(m).__name__ == "OptimizedModule" for m in model.get_decoder().layers)
+
+
+def test_compiled_block_parts_give_the_eager_pass_with_one_graph_for_every_layout(tiny):
+    model = copy.deepcopy(tiny[0])
+    batches = [packed_batch(model.config.vocab_size, 100, prompt=6, longest=n, seed=s)
+               for s, n in ((0, 20), (1, 40), (2, 30), (3, 50))]
+    arms, facts = layer_arms(model, batches, part="parts")
+    assert facts["logprob_gap"] < 1e-5 and facts["compiled_vs_fp32"] < 1e-5
+    assert 1 <= facts["graphs_compiled"] <= 4  # forward graphs of the norms and MLP, no more
+    assert all(type(m).__name__ != "OptimizedModule" for m in model.get_decoder().layers)
+    for once in arms.values():
+        assert len(once()) == 4
+
+
+def test_the_float32_reference_sees_a_bf16_models_rounding(tiny):
+    model = copy.deepcopy(tiny[0]).to(torch.bfloat16)
+    batch = packed_batch(model.config.vocab_size, 100, prompt=6, longest=20)
+    _, facts = layer_arms(model, [batch])
+    assert facts["eager_vs_fp32"] > 1e-4  # bf16 against float32, computed apart
+    assert facts["logprob_gap"] < 0.5

@@ -90,7 +90,7 @@ def test_gpu_check_cpu_mode_runs_every_part(tmp_path):
     assert result["parts"]["fsdp2"]["max_weight_gap"] < 1e-5 < \
         result["parts"]["fsdp2"]["max_weight_change"]
     for run in ("builtin_decode", "hf_decode", "train_update", "train_update_without_levers",
-                "train_update_attention_mask"):
+                "train_update_attention_mask", "train_update_compiled_blocks"):
         prof = result["parts"]["profile"][run]
         assert prof["wall_s"] > 0 and prof["top_ops"] and prof["device_busy_s"] is None
         assert all(op["op"].startswith("aten::") and op["calls"] > 0 for op in prof["top_ops"])

@@ -113,3 +113,19 @@ def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_one(tmp_path, monkey
     assert child(["train", *common, "run.name=killed"], "store:3", log=log) == -signal.SIGKILL
     assert child(["train", "--resume", str(tmp_path / "killed")], log=log) == 0, log.read_text()
     assert compare(tmp_path / "reference", tmp_path / "killed") == []
+
+
+def test_two_ranks_with_compiled_blocks_give_one_eager_ranks_update(step):
+    cfg, run, r = step
+    start = copy.deepcopy(run.trainer.model)
+    one = Trainer(copy.deepcopy(start), cfg.train, pad_id=run.tokenizer.pad_token_id, seed=0)
+    compiled = cfg.train.model_copy(update={"compile_blocks": True})
+    two = ShardedTrainer(copy.deepcopy(start), compiled,
+                         pad_id=run.tokenizer.pad_token_id, world_size=2, timeout_s=300)
+    try:
+        one.update(r.trained, r.dropped)
+        two.update(r.trained, r.dropped)
+        assert _max_diff(one.weights(), two.weights()) < 1e-5
+        assert _max_diff(start.state_dict(), two.weights()) > 1e-4
+    finally:
+        two.close()
