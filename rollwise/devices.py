@@ -56,3 +56,17 @@ def keep_freed_memory() -> bool:
                     libc.mallopt(_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError):  # musl and others: no mallopt
         return False
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim) after a one-off peak
+    whose freed blocks keep_freed_memory would otherwise hold for the rest of the process:
+    an in-process SFT warm start of SmolLM2 left a 13 GiB floor under the RL run after it.
+    False where the C library is not glibc."""
+    if sys.platform != "linux":
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False

@@ -39,3 +39,33 @@ def _probe(mode: str) -> tuple[bool, bool]:
 def test_freed_blocks_stay_in_the_heap_for_reuse():
     assert _probe("default") == (True, False)  # mapped for itself, unmapped when freed
     assert _probe("keep") == (False, False)  # from the heap, and the heap is not trimmed
+
+
+RELEASE = """
+import ctypes, sys
+from rollwise.devices import keep_freed_memory, release_freed_memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+keep_freed_memory()
+blocks = [libc.malloc(1 << 20) for _ in range(400)]  # 400 MiB in heap-sized blocks
+for b in blocks:
+    libc.memset(b, 1, 1 << 20)
+keep = blocks[-1]  # one live block above the rest: the heap's top cannot simply shrink
+for b in blocks[:-1]:
+    libc.free(b)
+held = rss_mib()
+assert release_freed_memory()
+print(held, rss_mib())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")
+def test_released_memory_goes_back_to_the_os():
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True,
+                         timeout=120, check=True)
+    held, after = map(float, out.stdout.split())
+    assert held - after > 300  # MiB: the freed blocks' pages, kept until released

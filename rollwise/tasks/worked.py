@@ -13,8 +13,10 @@ by step"); its worked solution writes the running total one line per term, then 
 so a response's length follows the problem's size (about 13 tokens a line with SmolLM2's
 digit-per-token vocabulary), and the task's scorer gives 1 only when every step line is there,
 in order, and right, and the boxed answer is the sum: a right answer reached by skipped or
-wrong steps scores 0. The number of terms is log-uniform over task.worked.terms, so lengths
-are long-tailed (most chains short, some very long); a problem's tier is its size bucket.
+wrong steps scores 0 (task.worked.credit=prefix gives a wrong answer the share of lines it
+got right before its first mistake). The number of terms is log-uniform over
+task.worked.terms, so lengths are long-tailed (most chains short, some very long); a
+problem's tier is its size bucket.
 The noisy teacher (sft.noise of the solutions) slips once, a total off by one in a random
 line that the later lines carry on, so the warm start is unsure at single steps.
 """
@@ -78,6 +80,7 @@ class WorkedTask(Task):
     def __init__(self, cfg: TaskConfig):
         w = cfg.worked
         self.tiers = size_tiers(*w.terms)
+        self.credit = w.credit
         rng = random.Random(cfg.seed)
         seen: set[str] = set()
         self.eval = draw_unique(cfg.eval_size, self._drawer(rng, w, "eval"), seen, "eval",
@@ -109,9 +112,17 @@ class WorkedTask(Task):
 
     def score_fn(self, response: str, problem: Problem) -> float:
         """1 when the response's step lines are exactly the chain's running totals, in order,
-        and the boxed answer is the sum; other lines (words, blank lines) are ignored."""
+        and the boxed answer is the sum; other lines (words, blank lines) are ignored. Under
+        credit=prefix a response short of that scores the share of the solution's lines (steps
+        then box) it wrote right before its first wrong, missing or extra line."""
         if len(response) > MAX_SCORED_CHARS:
             return 0.0
         written = [m.groups() for m in map(_STEP.match, response.splitlines()) if m]
         expected = [_STEP.match(s).groups() for s in steps_of(problem.data["terms"])]
-        return float(written == expected and self.extract_answer(response) == problem.answer)
+        if written == expected and self.extract_answer(response) == problem.answer:
+            return 1.0
+        if self.credit == "all":
+            return 0.0
+        right = next((i for i, (w, e) in enumerate(zip(written, expected)) if w != e),
+                     min(len(written), len(expected)))
+        return right / (len(expected) + 1)

@@ -6,6 +6,7 @@ given and caches the result under <run.root>/.cache/sft-<hash of the settings an
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import random
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from rollwise import models
 from rollwise.config import Config
+from rollwise.devices import release_freed_memory
 from rollwise.stages.generate import build_generator
 from rollwise.tasks import Task
 
@@ -24,11 +26,12 @@ PROGRESS_EVERY_S = 10.0  # a line at least this often, whatever sft.eval_every s
 
 
 def cache_path(cfg: Config, examples: list[tuple]) -> Path:
-    """Where the warm start of these settings and examples is kept: the examples are part of
-    the key, so whatever writes them (the task, a generator's environment) invalidates it."""
+    """Where the warm start of these settings and examples is kept: the examples are the key's
+    task part, so whatever writes them (the task, a generator's environment) invalidates it,
+    and task settings that change no example (the reward, the held-out set) keep it."""
     digest = hashlib.sha256(json.dumps(examples).encode()).hexdigest()
-    parts = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
-             "sft": cfg.sft.model_dump(), "seed": cfg.run.seed, "examples": digest}
+    parts = {"model": cfg.model.model_dump(), "sft": cfg.sft.model_dump(),
+             "seed": cfg.run.seed, "examples": digest}
     key = json.dumps(parts, sort_keys=True)
     return Path(cfg.run.root) / ".cache" / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -141,6 +144,9 @@ def warm_start(cfg: Config, task: Task, log=print, eval_fn=None):
     train_sft(model, tok, task, cfg, log=log, eval_fn=eval_fn, examples=examples)
     path.parent.mkdir(parents=True, exist_ok=True)
     models.save(model, tok, path)
-    if cfg.sft.from_path:
-        return models.load_model(path, cfg.model.dtype, for_training=True)
-    return model, tok
+    if not cfg.sft.from_path:
+        return model, tok
+    del model  # the float32 model, its optimizer and activations: their pages go back
+    gc.collect()
+    release_freed_memory()
+    return models.load_model(path, cfg.model.dtype, for_training=True)

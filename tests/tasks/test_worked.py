@@ -77,6 +77,43 @@ def test_a_wrong_or_missing_step_scores_zero_even_with_the_right_answer():
             assert t.score_fn(fixed, p) == 0.0  # the right answer after a wrong step
 
 
+def naive_prefix_credit(response: str, terms: list[int]) -> float:
+    """The prefix credit by a plain reading: the solution's lines, built from naive_totals,
+    compared one by one with the response's lines that look like steps."""
+    totals = [terms[0]] + naive_totals(terms)
+    want = [f"{a} {'-' if t < 0 else '+'} {abs(t)} = {b}"
+            for a, t, b in zip(totals, terms[1:], totals[1:])]
+    got = [" ".join(line.split()) for line in response.splitlines() if "=" in line]
+    right = 0
+    while right < min(len(got), len(want)) and got[right] == want[right]:
+        right += 1
+    if got == want and response.strip().endswith(f"\\boxed{{{sum(terms)}}}"):
+        return 1.0
+    return right / (len(want) + 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefix_credit_is_the_share_of_lines_right_before_the_first_mistake(seed):
+    rng = random.Random(seed)
+    t, strict = task(credit="prefix"), task()
+    partial = []
+    for _ in range(40):
+        terms = draw_terms(rng, 3, 30, 2, 0.3)
+        p = problem_of(terms)
+        lines = solution_of(terms).splitlines()
+        cut = rng.randrange(len(lines) + 1)
+        variants = ["\n".join(lines), "\n".join(lines[:cut]),  # whole, stopped early
+                    "\n".join(lines[:-1] + ["\\boxed{0}"]),  # every step, a wrong box
+                    solution_of(terms, (rng.randrange(len(terms) - 1), 1)),  # a slip
+                    "\n".join(lines[:cut] + lines[cut + 1:])]  # a line left out
+        for response in variants:
+            got = t.score_fn(response, p)
+            assert got == pytest.approx(naive_prefix_credit(response, terms))
+            assert (got == 1.0) is (strict.score_fn(response, p) == 1.0)
+            partial.append(got)
+    assert sum(0.0 < v < 1.0 for v in partial) > len(partial) / 3  # wrong answers differ
+
+
 def test_words_around_the_steps_and_spacing_do_not_matter():
     terms = [5, 70, 1]
     p, t = problem_of(terms), task()

@@ -32,6 +32,18 @@ def test_the_cache_key_follows_the_examples(tmp_path):
     assert sft.cache_path(cfg, examples[:-1]) != sft.cache_path(cfg, examples)
 
 
+def test_task_settings_that_change_no_example_keep_the_warm_start(tmp_path):
+    worked = TINY + [f"run.root={tmp_path}", "task.name=worked", "task.worked.terms=[2, 4]"]
+    cfg, other = (load_config(None, worked + [f"task.worked.credit={c}"])
+                  for c in ("all", "prefix"))
+    tok = models.build_tokenizer(cfg.model)
+    examples = sft.examples_for(cfg, load_task(cfg.task), tok)
+    assert sft.examples_for(other, load_task(other.task), tok) == examples
+    assert sft.warm_start_path(other, load_task(other.task)) == sft.cache_path(cfg, examples)
+    longer = load_config(None, worked + ["task.worked.terms=[2, 5]"])
+    assert sft.warm_start_path(longer, load_task(longer.task)) != sft.cache_path(cfg, examples)
+
+
 def chat_config(tmp_path, *extra):
     from chat_model import build_chat_model
     path = build_chat_model(tmp_path / "chat")
