@@ -87,9 +87,10 @@ class WorkedConfig(Section):
     """Share of the terms after the first that are subtracted (when the total stays >= 0)."""
     credit: Literal["all", "prefix"] = "all"
     """The reward. all: 1 when every step line and the boxed answer are right, else 0.
-    prefix: the share of the solution's lines (the steps, then the box) written right before
-    the first wrong or missing one, so two wrong answers that fail at different lines differ;
-    1 still only when all are right, so held-out pass@1 (a reward of 1) is the same test."""
+    prefix: half the share of the solution's lines (the steps, then the box) written right
+    before the first wrong or missing one, so two wrong answers that fail at different lines
+    differ and finishing right is worth twice any of them; 1 still only when all are right,
+    so held-out pass@1 (a reward of 1) is the same test."""
     prompt: str = ("Compute {chain} step by step: write each running total on its own line "
                    "as 'a + b = c', then the final answer as \\boxed{answer}.")
     """The problem's text; '{chain}' is replaced by the terms."""

@@ -89,7 +89,7 @@ def naive_prefix_credit(response: str, terms: list[int]) -> float:
         right += 1
     if got == want and response.strip().endswith(f"\\boxed{{{sum(terms)}}}"):
         return 1.0
-    return right / (len(want) + 1)
+    return 0.5 * right / (len(want) + 1)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -110,8 +110,9 @@ def test_prefix_credit_is_the_share_of_lines_right_before_the_first_mistake(seed
             got = t.score_fn(response, p)
             assert got == pytest.approx(naive_prefix_credit(response, terms))
             assert (got == 1.0) is (strict.score_fn(response, p) == 1.0)
+            assert got == 1.0 or got <= 0.5  # finishing right pays twice any wrong answer
             partial.append(got)
-    assert sum(0.0 < v < 1.0 for v in partial) > len(partial) / 3  # wrong answers differ
+    assert sum(0.0 < v <= 0.5 for v in partial) > len(partial) / 3  # wrong answers differ
 
 
 def test_words_around_the_steps_and_spacing_do_not_matter():
