@@ -198,10 +198,10 @@ def layer_arms(model, batches: list[Batch], part: str = "block") -> tuple[dict, 
     wide = copy.deepcopy(model).float()  # the float32 reference, eager
     layers = model.get_decoder().layers
     eager = list(layers)
-    if part == "block":
+    if part == "block":  # swapped into the model's layer list for the fast arm
         fast_model, compiled = model, [torch.compile(layer) for layer in eager]
-    else:
-        fast_model, compiled = copy.deepcopy(model), eager
+    else:  # a copy compiled in place: no swapping
+        fast_model, compiled = copy.deepcopy(model), None
         compile_block_parts(fast_model)
 
     def one_pass(m, batch, packed):
@@ -212,7 +212,7 @@ def layer_arms(model, batches: list[Batch], part: str = "block") -> tuple[dict, 
 
     def run(m, mods):
         def once():
-            for i, mod in enumerate(mods):
+            for i, mod in enumerate(mods or ()):
                 layers[i] = mod
             return [one_pass(m, b, p) for b, p in zip(batches, packs)]
         return once
