@@ -91,6 +91,15 @@ class WorkedConfig(Section):
     before the first wrong or missing one, so two wrong answers that fail at different lines
     differ and finishing right is worth twice any of them; 1 still only when all are right,
     so held-out pass@1 (a reward of 1) is the same test."""
+    teacher: Literal["slip", "wrong_facts"] = "slip"
+    """How the warm start's noisy worked solutions (sft.noise of them) go wrong. slip: one
+    line's total off by one, carried on (the warm start is unsure at single steps);
+    wrong_facts: the total off by one after every line whose total and term end in one of
+    `wrong_facts` digit pairs (drawn from task.seed), so with sft.noise > 0.5 the warm start
+    mostly writes those sums wrong and RL relearns them one by one."""
+    wrong_facts: int = Field(10, ge=1, le=100)
+    """teacher=wrong_facts: how many (total's last digit, term's last digit) pairs it gets
+    wrong, of 100 (90 with one-digit terms, which never end in 0)."""
     prompt: str = ("Compute {chain} step by step: write each running total on its own line "
                    "as 'a + b = c', then the final answer as \\boxed{answer}.")
     """The problem's text; '{chain}' is replaced by the terms."""

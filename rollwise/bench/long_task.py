@@ -11,6 +11,10 @@ task, checked on them:
   --last steps is positive by more than its standard error;
 - long: the median response is at least 80 tokens in every window;
 - variable: the 0.9 quantile is at least 2.5x the median in every window.
+For a run warm-started by the worked task's wrong_facts teacher, per window too: of the step
+lines whose total and term end in one of the teacher's wrong pairs, the share written the
+teacher's way and the share right; and the share of the other lines written wrong (the
+model's own slips). RL relearning the facts shows as the teacher's share falling.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollwise.config import load_config
 from rollwise.store.rollouts import RolloutStore
+from rollwise.tasks.arith import wrong_facts
+from rollwise.tasks.worked import STEP_LINE, Wrong
 from rollwise.types import Status
 
 MIN_MEDIAN, MIN_SPREAD = 80, 2.5
@@ -54,6 +61,54 @@ def length_profile(run_dir: Path, window: int = 1) -> list[dict]:
                     / len(samples),
                     "reward": statistics.fmean(s.reward for s in samples)})
     return out
+
+
+def line_kinds(text: str, wrong: Wrong):
+    """Each step line of a response by its own arithmetic: 'fact_right', 'fact_teacher' (off
+    as the teacher writes it), 'fact_other' for a line on a wrong pair; 'right' or 'wrong'
+    for the others."""
+    for m in map(STEP_LINE.match, text.splitlines()):
+        if not m:
+            continue
+        a, op, x, c = int(m[1]), m[2], int(m[3]), int(m[4])
+        right = a + x if op == "+" else a - x
+        off = wrong.get((a % 10, x % 10))
+        if off is None:
+            yield "right" if c == right else "wrong"
+        elif c == right:
+            yield "fact_right"
+        else:
+            yield "fact_teacher" if c == right + (abs(off) if right + off < 0 else off) \
+                else "fact_other"
+
+
+def fact_profile(run_dir: Path, wrong: Wrong, window: int = 1) -> list[dict]:
+    """Per `window` steps: the lines on the teacher's wrong pairs, the shares of them written
+    its way and right, and the share of the other lines written wrong."""
+    store = RolloutStore(run_dir / "rollouts")
+    steps, out = store.steps(), []
+    for at in range(0, len(steps), window):
+        counts = dict.fromkeys(("fact_right", "fact_teacher", "fact_other", "right", "wrong"), 0)
+        for text in store.read(steps[at:at + window]).column("response_text").to_pylist():
+            for kind in line_kinds(text or "", wrong):
+                counts[kind] += 1
+        facts = counts["fact_right"] + counts["fact_teacher"] + counts["fact_other"]
+        others = counts["right"] + counts["wrong"]
+        out.append({"step": steps[at], "fact_lines": facts,
+                    "teacher_share": counts["fact_teacher"] / max(facts, 1),
+                    "fact_right_share": counts["fact_right"] / max(facts, 1),
+                    "other_wrong_share": counts["wrong"] / max(others, 1)})
+    return out
+
+
+def teacher_facts(run_dir: Path) -> Wrong | None:
+    """The wrong pairs of the run's warm-start teacher (from its config.yaml), or None."""
+    if not (run_dir / "config.yaml").is_file():
+        return None
+    task = load_config(run_dir / "config.yaml").task
+    if task.name != "worked" or task.worked.teacher != "wrong_facts":
+        return None
+    return wrong_facts(task.worked.wrong_facts, task.seed)
 
 
 def pass1_series(run_dir: Path) -> list[dict]:
@@ -107,14 +162,20 @@ def main(argv: list[str]) -> int:
     if not (args.run / "metrics.jsonl").is_file():
         ap.error(f"{args.run} has no metrics.jsonl: pass a run directory (runs/<root>/<name>)")
     profile, series = length_profile(args.run, args.window), pass1_series(args.run)
+    wrong = teacher_facts(args.run)
+    facts = fact_profile(args.run, wrong, args.window) if wrong else []
     out = {"benchmark": "long_task", "run": str(args.run), "lengths": profile,
-           "pass1": series, "goals": goals(profile, series, args.last)}
+           "facts": facts, "pass1": series, "goals": goals(profile, series, args.last)}
     if args.json:
         print(json.dumps(out))
         return 0
     for p in profile:
         print(f"steps from {p['step']:4d}: median {p['median']:6.1f} q90 {p['q90']:6.1f} "
               f"({p['spread']:.2f}x) truncated {p['truncated']:.1%} reward {p['reward']:.3f}")
+    for f in facts:
+        print(f"steps from {f['step']:4d}: {f['fact_lines']} lines on the teacher's wrong pairs, "
+              f"{f['teacher_share']:.1%} written its way, {f['fact_right_share']:.1%} right; "
+              f"other lines wrong {f['other_wrong_share']:.1%}")
     for r in series:
         print(f"eval at step {r['step']}: pass@1 {r['pass1']:.3f}")
     g = out["goals"]

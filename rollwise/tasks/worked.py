@@ -17,8 +17,11 @@ wrong steps scores 0 (task.worked.credit=prefix gives a wrong answer half the sh
 it got right before its first mistake). The number of terms is log-uniform over
 task.worked.terms, so lengths are long-tailed (most chains short, some very long); a
 problem's tier is its size bucket.
-The noisy teacher (sft.noise of the solutions) slips once, a total off by one in a random
-line that the later lines carry on, so the warm start is unsure at single steps.
+The noisy teacher (sft.noise of the solutions) writes a total off by one and carries it on:
+once, at a random line (task.worked.teacher=slip: the warm start is unsure at single steps),
+or after every line whose total and term end in one of task.worked.wrong_facts digit pairs
+(teacher=wrong_facts: the warm start writes those sums wrong most of the time, and RL has
+facts to relearn one by one, over many steps).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import random
 import re
 
 from rollwise.config import TaskConfig
+from rollwise.tasks.arith import wrong_facts
 from rollwise.tasks.base import Task, draw_unique
 from rollwise.tasks.extract import last_boxed
 from rollwise.types import Problem
@@ -37,22 +41,32 @@ from rollwise.types import Problem
 # rose from 3 % to 23 % of a step's samples within 20 steps
 PREFIX_CEILING = 0.5
 MAX_SCORED_CHARS = 20_000  # a longer response is read no further (the scorer runs in-process)
-_STEP = re.compile(r"^\s*(\d{1,12})\s*([+-])\s*(\d{1,12})\s*=\s*(-?\d{1,13})\s*$")
+STEP_LINE = re.compile(r"^\s*(-?\d{1,12})\s*([+-])\s*(\d{1,12})\s*=\s*(-?\d{1,13})\s*$")
 
 
-def steps_of(terms: list[int], slip: tuple[int, int] | None = None) -> list[str]:
+Wrong = dict[tuple[int, int], int]
+
+
+def steps_of(terms: list[int], slip: tuple[int, int] | None = None,
+             wrong: Wrong | None = None) -> list[str]:
     """The step lines 'total op term = new total'; a negative term is subtracted. slip =
-    (line, amount): that line's total is off by `amount`, and later lines carry it on."""
+    (line, amount): that line's total is off by `amount`; wrong = {(total's last digit,
+    term's last digit): amount}: every line with such a pair is off by it. Later lines carry
+    the wrong total on (below 0 if it must: '8 - 9 = -1'); a line whose right total is 0 never
+    goes below it (the slip goes up instead)."""
     lines, total = [], terms[0]
     for i, t in enumerate(terms[1:]):
-        new = total + t + (slip[1] if slip and slip[0] == i else 0)
+        off = (slip[1] if slip and slip[0] == i else 0) + \
+            (wrong.get((total % 10, abs(t) % 10), 0) if wrong else 0)
+        new = total + t + (abs(off) if total + t + off < 0 else off)
         lines.append(f"{total} {'-' if t < 0 else '+'} {abs(t)} = {new}")
         total = new
     return lines
 
 
-def solution_of(terms: list[int], slip: tuple[int, int] | None = None) -> str:
-    lines = steps_of(terms, slip)
+def solution_of(terms: list[int], slip: tuple[int, int] | None = None,
+                wrong: Wrong | None = None) -> str:
+    lines = steps_of(terms, slip, wrong)
     final = int(lines[-1].rsplit("=", 1)[1])
     return "\n".join(lines + [f"\\boxed{{{final}}}"])
 
@@ -85,6 +99,7 @@ class WorkedTask(Task):
         w = cfg.worked
         self.tiers = size_tiers(*w.terms)
         self.credit = w.credit
+        self.wrong = wrong_facts(w.wrong_facts, cfg.seed) if w.teacher == "wrong_facts" else None
         rng = random.Random(cfg.seed)
         seen: set[str] = set()
         self.eval = draw_unique(cfg.eval_size, self._drawer(rng, w, "eval"), seen, "eval",
@@ -109,6 +124,8 @@ class WorkedTask(Task):
         if not noisy:
             return problem.solution
         terms = problem.data["terms"]
+        if self.wrong:
+            return solution_of(terms, wrong=self.wrong)
         return solution_of(terms, (rng.randrange(len(terms) - 1), rng.choice((-1, 1))))
 
     def extract_answer(self, response: str) -> str | None:
@@ -122,8 +139,8 @@ class WorkedTask(Task):
         PREFIX_CEILING."""
         if len(response) > MAX_SCORED_CHARS:
             return 0.0
-        written = [m.groups() for m in map(_STEP.match, response.splitlines()) if m]
-        expected = [_STEP.match(s).groups() for s in steps_of(problem.data["terms"])]
+        written = [m.groups() for m in map(STEP_LINE.match, response.splitlines()) if m]
+        expected = [STEP_LINE.match(s).groups() for s in steps_of(problem.data["terms"])]
         if written == expected and self.extract_answer(response) == problem.answer:
             return 1.0
         if self.credit == "all":

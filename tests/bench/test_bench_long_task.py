@@ -65,3 +65,53 @@ def test_a_window_pools_the_steps_it_covers(tmp_path):
     assert [(r["step"], r["samples"]) for r in rows] == [(1, 8), (3, 8), (5, 4)]
     assert rows[1]["median"] == 35
     assert rows[1]["q90"] == pytest.approx(np.quantile([30] * 4 + [40] * 4, 0.9))
+
+
+def test_the_teachers_facts_are_read_back_line_by_line(tmp_path):
+    """A run warm-started by the wrong_facts teacher: its pairs come from the saved config,
+    and each written line is classed by its own arithmetic."""
+    from rollwise.config import dump_config, load_config
+    from rollwise.tasks.worked import solution_of
+
+    cfg = load_config(None, ["task.name=worked", "task.worked.teacher=wrong_facts",
+                             "task.worked.wrong_facts=30"])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    wrong = long_task.teacher_facts(tmp_path)
+    assert wrong is not None and len(wrong) == 30
+    rng = random.Random(0)
+    store, expected = RolloutStore(tmp_path / "rollouts"), []
+    for step in (1, 2):
+        texts, counts = [], {"teacher": 0, "right": 0, "other": 0, "wrong": 0, "lines": 0}
+        for _ in range(12):
+            terms = [rng.randint(1, 9) for _ in range(rng.randint(3, 12))]
+            text = solution_of(terms, wrong=wrong if rng.random() < 0.5 else None)
+            lines = text.splitlines()[:-1]
+            if lines and rng.random() < 0.3:  # a line off by 3: a slip of the model's own
+                a, rest = lines[-1].rsplit("= ", 1)
+                lines[-1] = f"{a}= {int(rest) + 3}"
+            for line in lines:  # naive: by the numbers of the line
+                a, op, x, _, c = line.split()
+                total = int(a) + int(x) if op == "+" else int(a) - int(x)
+                off = wrong.get((int(a) % 10, int(x) % 10))
+                if off is None:
+                    counts["lines"] += 1
+                    counts["wrong"] += int(c) != total
+                else:
+                    key = "right" if int(c) == total else \
+                        "teacher" if int(c) - total in (off, abs(off)) else "other"
+                    counts[key] += 1
+            texts.append("Sure.\n" + "\n".join(lines) + "\n\\boxed{0}")
+        samples = [Sample(prompt_id="p", prompt_ids=[1], response_ids=[2]) for _ in texts]
+        store.append(step, samples, ["p"] * len(texts), texts)
+        expected.append(counts)
+    rows = long_task.fact_profile(tmp_path, wrong)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row, c in zip(rows, expected):
+        facts = c["teacher"] + c["right"] + c["other"]
+        assert row["fact_lines"] == facts > 0
+        assert row["teacher_share"] == pytest.approx(c["teacher"] / facts)
+        assert row["fact_right_share"] == pytest.approx(c["right"] / facts)
+        assert row["other_wrong_share"] == pytest.approx(c["wrong"] / c["lines"])
+    assert rows[0]["teacher_share"] > 0.1  # the teacher's solutions are in there
+    (tmp_path / "config.yaml").write_text(dump_config(load_config(None, ["task.name=worked"])))
+    assert long_task.teacher_facts(tmp_path) is None  # the slip teacher has no pairs

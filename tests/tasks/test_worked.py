@@ -134,6 +134,35 @@ def test_the_noisy_teacher_slips_once_and_its_later_lines_follow():
     assert t.worked_solution(p, rng, noisy=False) == p.solution
 
 
+@pytest.mark.parametrize("n_wrong, digits", [(10, 1), (40, 2)])
+def test_the_wrong_facts_teacher_errs_exactly_at_its_pairs_and_carries_it_on(n_wrong, digits):
+    t = task(teacher="wrong_facts", wrong_facts=n_wrong, max_digits=digits)
+    again = task(teacher="wrong_facts", wrong_facts=n_wrong, max_digits=digits)
+    rng = random.Random(0)
+    assert t.wrong == again.wrong and len(t.wrong) == n_wrong  # drawn from task.seed
+    assert set(t.wrong.values()) <= {-1, 1}
+    hit = lines = 0
+    for p in t.train:
+        noisy = t.worked_solution(p, rng, noisy=True)
+        steps = noisy.splitlines()[:-1]
+        prev = p.data["terms"][0]
+        touched = False
+        for line, term in zip(steps, p.data["terms"][1:]):  # a naive reading, line by line
+            left, op, x, right = re.fullmatch(r"(-?\d+) ([+-]) (\d+) = (-?\d+)", line).groups()
+            assert int(left) == prev and int(x) == abs(term) and (op == "-") == (term < 0)
+            off = t.wrong.get((prev % 10, abs(term) % 10), 0)
+            assert int(right) - (prev + term) == (abs(off) if prev + term + off < 0 else off)
+            touched |= off != 0
+            hit, lines = hit + (off != 0), lines + 1
+            prev = int(right)
+        assert noisy.splitlines()[-1] == f"\\boxed{{{prev}}}"
+        assert (t.score_fn(noisy, p) == 1.0) is (not touched)  # right only where no pair came
+        assert t.worked_solution(p, rng, noisy=False) == p.solution
+    pairs = 90 if digits == 1 else 100  # a one-digit term never ends in 0
+    live = sum(b != 0 for _, b in t.wrong) if digits == 1 else n_wrong
+    assert abs(hit / lines - live / pairs) < 0.05
+
+
 def test_sizes_are_log_uniform_and_totals_never_negative():
     rng, lo, hi, n = random.Random(3), 3, 30, 20000
     sizes = []
