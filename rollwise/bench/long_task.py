@@ -29,7 +29,7 @@ from pathlib import Path
 from rollwise.config import load_config
 from rollwise.store.rollouts import RolloutStore
 from rollwise.tasks.arith import wrong_facts
-from rollwise.tasks.worked import STEP_LINE, Wrong
+from rollwise.tasks.worked import STEP_LINE, Wrong, slipped_total
 from rollwise.types import Status
 
 MIN_MEDIAN, MIN_SPREAD = 80, 2.5
@@ -78,8 +78,7 @@ def line_kinds(text: str, wrong: Wrong):
         elif c == right:
             yield "fact_right"
         else:
-            yield "fact_teacher" if c == right + (abs(off) if right + off < 0 else off) \
-                else "fact_other"
+            yield "fact_teacher" if c == slipped_total(right, off) else "fact_other"
 
 
 def fact_profile(run_dir: Path, wrong: Wrong, window: int = 1) -> list[dict]:

@@ -47,18 +47,23 @@ STEP_LINE = re.compile(r"^\s*(-?\d{1,12})\s*([+-])\s*(\d{1,12})\s*=\s*(-?\d{1,13
 Wrong = dict[tuple[int, int], int]
 
 
+def slipped_total(right: int, off: int) -> int:
+    """The total a teacher off by `off` writes: never taken below 0 by its own slip (it goes
+    up instead), so a solution stays one a reader of step lines can follow."""
+    return right + (abs(off) if right + off < 0 else off)
+
+
 def steps_of(terms: list[int], slip: tuple[int, int] | None = None,
              wrong: Wrong | None = None) -> list[str]:
     """The step lines 'total op term = new total'; a negative term is subtracted. slip =
     (line, amount): that line's total is off by `amount`; wrong = {(total's last digit,
-    term's last digit): amount}: every line with such a pair is off by it. Later lines carry
-    the wrong total on (below 0 if it must: '8 - 9 = -1'); a line whose right total is 0 never
-    goes below it (the slip goes up instead)."""
+    term's last digit): amount}: every line with such a pair is off by it (slipped_total).
+    Later lines carry the wrong total on, below 0 if they must ('8 - 9 = -1')."""
     lines, total = [], terms[0]
     for i, t in enumerate(terms[1:]):
         off = (slip[1] if slip and slip[0] == i else 0) + \
             (wrong.get((total % 10, abs(t) % 10), 0) if wrong else 0)
-        new = total + t + (abs(off) if total + t + off < 0 else off)
+        new = slipped_total(total + t, off)
         lines.append(f"{total} {'-' if t < 0 else '+'} {abs(t)} = {new}")
         total = new
     return lines
