@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 
 import torch
@@ -36,6 +37,17 @@ def native_bf16(device: str) -> bool:
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(torch.backends.mkldnn.is_available() and
                 (caps.get("avx512_bf16") or caps.get("amx_bf16")))
+
+
+@functools.cache
+def machine() -> str:
+    """What a measurement ran on, for its record ("AMD EPYC, 2 cores, avx512_bf16";
+    "NVIDIA H200"): seconds and speed-ups are only compared on one machine."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    fast = [k for k in ("amx_bf16", "avx512_bf16") if caps.get(k)]
+    return ", ".join([caps.get("cpu_name") or "CPU", f"{os.cpu_count()} cores", *fast[:1]])
 
 
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameters (malloc.h)

@@ -243,3 +243,24 @@ def test_native_bf16_on_a_cpu_reads_its_instruction_sets(monkeypatch, caps, expe
     from rollwise.devices import native_bf16
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
     assert native_bf16("cpu") is expected
+
+
+@pytest.mark.parametrize("caps, expected", [
+    ({"cpu_name": "AMD EPYC", "avx512_bf16": True}, "AMD EPYC, 4 cores, avx512_bf16"),
+    ({"cpu_name": "Intel Xeon", "amx_bf16": True, "avx512_bf16": True},
+     "Intel Xeon, 4 cores, amx_bf16"),
+    ({}, "CPU, 4 cores")])
+def test_a_cpu_machine_is_named_by_its_model_cores_and_bf16_path(monkeypatch, caps, expected):
+    import os
+
+    import torch
+
+    from rollwise.devices import machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    machine.cache_clear()
+    try:
+        assert machine() == expected
+    finally:
+        machine.cache_clear()

@@ -15,6 +15,7 @@ from typing import Callable
 
 from rollwise import models
 from rollwise.config import load_config
+from rollwise.devices import machine
 from rollwise.loop.metrics import step_metrics
 from rollwise.loop.run import Run
 from rollwise.report.progress import Progress
@@ -36,13 +37,15 @@ def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
             ) -> tuple[list[dict], list[dict]]:
     """fn(*job) for every job (fn a module-level function, for the worker processes), n_jobs
     side by side. label(job) names a job in its failure record. Returns (finished results,
-    failure records), in the order they finished. The log starts empty unless `append`."""
+    failure records), in the order they finished, each with the machine it ran on. The log
+    starts empty unless `append`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if not append or not log.exists():
         log.write_text("")
     results = []
 
     def keep(r: dict) -> None:
+        r.setdefault("machine", machine())
         results.append(r)
         with log.open("a") as f:
             f.write(json.dumps(r) + "\n")

@@ -21,7 +21,7 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 | duet50 | control.inflight=duet at 50 % of the budget | grpo | duet50_pass1_delta |
 | sgpo | control.group_size=sgpo | grpo | sgpo_compute_ratio |
 | dars | control.group_size=dars | grpo | dars_compute_ratio |
-| april | control.inflight=april | grpo | april_seconds_ratio (seconds to target) |
+| april | control.inflight=april | grpo | april_seconds_ratio (seconds to target, by seed) |
 | ttrl | filter.reward=majority (labels never read) | - | - |
 | echo_ttrl | ECHO trees, shaping, adaptive clip, majority | ttrl | echo_ttrl_pass1_delta |
 | dynamic | DAPO dynamic sampling on a recurring pool (--pool) | - | - |
@@ -416,13 +416,22 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
         aucs = [x["auc"] if isinstance(x, dict) else x for r in rs for x in r["head_auc"]]
         med[a]["head_auc_mean"] = statistics.mean(aucs) if aucs else None
 
-    def paired(a: str, key: str) -> float | None:
-        base = ARMS[a][0]
+    def pairs(a: str, key: str) -> list[tuple[float, float]]:
+        """(arm's value, its baseline's) for each seed both ran and both know."""
         x = {r["seed"]: r[key] for r in by.get(a, [])}
-        y = {r["seed"]: r[key] for r in by.get(base, [])}
-        d = [x[s] - y[s] for s in seeds if s in x and s in y
-             and x[s] is not None and y[s] is not None]
+        y = {r["seed"]: r[key] for r in by.get(ARMS[a][0], [])}
+        return [(x[s], y[s]) for s in seeds if s in x and s in y
+                and x[s] is not None and y[s] is not None]
+
+    def paired(a: str, key: str) -> float | None:
+        d = [u - v for u, v in pairs(a, key)]
         return statistics.mean(d) if d else None
+
+    def seed_ratio(a: str, key: str) -> float | None:
+        """The median over seeds of each seed's ratio to its baseline run: for seconds, which
+        are only comparable between two runs on one machine (the runs' "machine")."""
+        d = [u / max(v, 1e-9) for u, v in pairs(a, key)]
+        return statistics.median(d) if d else None
 
     def median_of(a: str, key: str) -> float | None:
         known = [r[key] for r in by.get(a, []) if r.get(key) is not None]
@@ -446,7 +455,7 @@ def summarize(runs: list[dict], seeds: list[int]) -> dict:
             "duet50_pass1_delta": paired("duet50", "final_pass1"),
             "sgpo_compute_ratio": ratio("sgpo", "tokens_to_target"),
             "dars_compute_ratio": ratio("dars", "tokens_to_target"),
-            "april_seconds_ratio": ratio("april", "seconds_to_target"),
+            "april_seconds_ratio": seed_ratio("april", "seconds_to_target"),
             "dps_rollouts_ratio": ratio("dps", "rollouts_to_target"),
             "xrpo_tokens_to_target_ratio": ratio("xrpo", "tokens_to_target"),
             "vade_tokens_to_target_ratio": ratio("vade", "tokens_to_target"),

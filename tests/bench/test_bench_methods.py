@@ -186,7 +186,12 @@ def test_summary_keys_come_from_the_runs():
              run("dps", 0, 1, 0.5, rollouts_to_target=100)]
     runs += [run("pool", s, t, 0.5) for s, t in ((0, 1000), (1, 1200), (2, 800))]
     runs += [run("vade", s, t, 0.5) for s, t in ((0, 500), (1, 900), (2, 600))]
+    # seconds: seed 1 ran on a slower machine than seeds 0 and 2, so only pairs compare
+    runs += [run("april", s, 1, 0.5, seconds_to_target=t) for s, t in ((0, 54), (1, 400),
+                                                                       (2, 35))]
     out = methods.summarize(runs, [0, 1, 2])
+    # GRPO's seconds are 60, 80, 70: ratios 0.9, 5.0, 0.5; the medians' ratio would be 54 / 70
+    assert out["april_seconds_ratio"] == pytest.approx(0.9)
     assert out["latr_tokens_to_target_ratio"] == 400 / 700
     assert out["latr_mixed_share_ratio"] == pytest.approx(0.3 / 0.3)
     assert out["arrol_speedup"] == 700 / 350

@@ -7,6 +7,7 @@ import pytest
 
 from rollwise.bench import trees
 from rollwise.bench.jobs import execute
+from rollwise.devices import machine
 from rollwise.types import Group, Sample
 
 
@@ -93,3 +94,4 @@ def test_a_failing_run_is_reported_and_loses_no_other_run(tmp_path, n_jobs):
     assert "engine fell over" in failed[0]["error"]
     logged = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert sorted(r["arm"] for r in logged) == ["bad", "iid", "latr"]
+    assert {r["machine"] for r in logged} == {machine()}  # seconds compare on one machine
