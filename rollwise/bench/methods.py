@@ -65,7 +65,8 @@ misses it counts its whole budget, reached: false), final pass@1, and each metho
 diagnostics: mixed-group share, distinct answers per group, forks, pruned branches and prefix
 tokens saved (trees), the quality head's AUC over training (ARRoL), aborts per rollout
 (ARRoL, DUET), group sizes (sGPO, DARS), rollouts to target (DPS), pseudo-label accuracy (TTRL),
-the share of trained tokens sampled by an older policy and generation's seconds (APRIL).
+the share of trained tokens sampled by an older policy, generation's seconds and the tokens
+prefilled, resumed answers among them (APRIL).
 """
 
 from __future__ import annotations
@@ -258,9 +259,11 @@ class Diagnostics:
             "head_auc": m.get("arrol/head_auc"),
             "label_acc": m.get("filter/majority_label_acc"),
             "length": m.get("response/length_mean", 0.0),
-            # APRIL: trained tokens sampled before the last update, and generation's seconds
+            # APRIL: trained tokens sampled before the last update, generation's seconds, and
+            # the tokens prefilled (a resumed answer is prefilled again)
             "stale": m.get("tokens/stale", 0.0), "trained": m.get("tokens/batch", 0.0),
             "gen_seconds": m.get("perf/gen_seconds", 0.0),
+            "prefilled": m.get("tokens/prefilled"),
             # V0's calibration before generation; XRPO's seeded prompts
             "v0_brier": m.get("control/v0/brier"), "v0_auc": m.get("control/v0/auc"),
             "v0_brier_const": m.get("control/v0/brier_const"),
@@ -291,6 +294,8 @@ class Diagnostics:
                 "head_auc": aucs, "label_acc": statistics.mean(accs) if accs else None,
                 "stale_share": sum(x["stale"] for x in s) / max(sum(x["trained"] for x in s), 1),
                 "gen_seconds": sum(x["gen_seconds"] for x in s),
+                "prefilled": (None if any(x.get("prefilled") is None for x in s)
+                              else sum(x["prefilled"] for x in s)),
                 "length_first": s[0]["length"], "length_last": s[-1]["length"],
                 **{k: _mean_known(x.get(k) for x in s)
                    for k in ("v0_brier", "v0_auc", "v0_brier_const")},
@@ -526,7 +531,7 @@ DIAGNOSTICS = {
     "duet50": ("abort_rate", "mixed_share", "rollouts"),
     "sgpo": ("group_size", "group_size_max", "mixed_share"),
     "dars": ("group_size", "group_size_max", "mixed_share"),
-    "april": ("stale_share", "gen_seconds", "mixed_share", "rollouts"),
+    "april": ("stale_share", "gen_seconds", "prefilled", "mixed_share", "rollouts"),
     "dps": ("rollouts_to_target", "mixed_share"),
     "xrpo": ("group_size", "group_size_max", "mixed_share"),
     "vade": ("mixed_share", "rollouts"),

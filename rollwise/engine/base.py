@@ -61,6 +61,8 @@ class Engine(abc.ABC):
     version: int = -1  # stamped on every token sampled from now on; -1: weights unknown
     tokens_generated: int = 0
     prefix_tokens_saved: int = 0  # prompt tokens a prefix cache or a fork spared prefilling
+    # prompt and resumed tokens run through the model; None where the engine does not count
+    prefill_tokens: int | None = None
     wire: str | None = None  # how payloads reach it: None here, 'shm'/'socket' a child process
 
     @abc.abstractmethod

@@ -18,6 +18,8 @@ class StepResult:
     ledger: Ledger
     version: int  # the policy version after the update
     decoded: int  # tokens the engine decoded during the step's generation
+    # tokens it prefilled (prompts, and resumed partial answers under APRIL); None: not counted
+    prefilled: int | None = None
     dropped: list[Group] = field(default_factory=list)  # scored groups Filter left out
     # stored, never trained: rollouts SCOPE replaced, and its rectifications that scored no
     # higher than what they rectified
@@ -65,4 +67,5 @@ def step_metrics(r: StepResult) -> dict[str, float]:
         "perf/gen_tokens_per_s": r.decoded / max(r.seconds["gen"], 1e-9),
         "perf/step_seconds": r.seconds["step"], "policy/version": r.version,
         **({"perf/wait_seconds": r.seconds["wait"]} if "wait" in r.seconds else {}),
+        **({"tokens/prefilled": r.prefilled} if r.prefilled is not None else {}),
     }

@@ -247,6 +247,7 @@ class Run:
         trainer (rollwise.loop.async_); it never reads the trainer's weights."""
         t0, ledger, version = time.time(), Ledger(), self.engine.version
         self.current_step, decoded0 = step, self.engine.tokens_generated
+        prefilled0 = self.engine.prefill_tokens
         want = self.cfg.control.prompts_per_step
         self.control.prepare(step, ledger)  # sGPO's profiling pass, once
         replayed = self.replay.take(want, version, self.rng)                   # Replay
@@ -270,6 +271,8 @@ class Run:
         # decoded this step; differs from the scored samples' tokens under APRIL, whose groups
         # carry tokens decoded in earlier steps and leave some of this step's in flight
         r.decoded = self.engine.tokens_generated - decoded0
+        if prefilled0 is not None:
+            r.prefilled = self.engine.prefill_tokens - prefilled0
         r.engine = self.engine.metrics()  # Ray's pool: worker deaths, re-queued requests
         r.seconds["gen"] = time.time() - t0
         self.persist(step, r.scored + r.aside,  # on disk first

@@ -229,19 +229,21 @@ def test_the_seed_method_keys_come_from_their_runs():
 def test_april_diagnostics_are_shares_of_the_whole_run_and_older_runs_show_a_dash(capsys):
     diag = methods.Diagnostics("april seed 0", 100)
     run = SimpleNamespace(current_step=0)
-    for step, (stale, trained, gen) in enumerate(((0, 50, 1.0), (30, 60, 2.0), (45, 90, 1.5)), 1):
+    for step, (stale, trained, gen, pre) in enumerate(((0, 50, 1.0, 300), (30, 60, 2.0, 420),
+                                                       (45, 90, 1.5, 510)), 1):
         run.current_step = step
         diag(run, SimpleNamespace(scored=[]), {"tokens/decoded": 40, "tokens/stale": stale,
-                                               "tokens/batch": trained, "perf/gen_seconds": gen})
+                                               "tokens/batch": trained, "perf/gen_seconds": gen,
+                                               "tokens/prefilled": pre})
     got = diag.summary(at_step=2)
     assert got["stale_share"] == (0 + 30 + 45) / (50 + 60 + 90)  # not a mean of step shares
-    assert got["gen_seconds"] == 4.5
+    assert got["gen_seconds"] == 4.5 and got["prefilled"] == 300 + 420 + 510
     base = {"arm": "grpo", "seed": 0, "reached": True, "tokens_to_target": 90,
             "seconds_to_target": 9.0, "final_pass1": 0.5, "mixed_share": 0.25, "rollouts": 64}
     april = {**base, "arm": "april", **got}
     methods.method_tables({"arms": ["april"], "seeds": [0], "runs": [base, april]})
     row = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| 0 |")][0]
-    assert "| 0.500 / 0.500 | – / 0.375 | – / 4.500 |" in row
+    assert "| 0.500 / 0.500 | – / 0.375 | – / 4.500 | – / 1230 |" in row
 
 
 def test_evaluations_follow_the_decoded_tokens(tmp_path):

@@ -88,6 +88,17 @@ def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tm
         all(m["tokens/paused_carried"] == 0 for m in lines)
 
 
+def test_a_step_counts_the_prompt_tokens_it_prefilled_once_per_group(tmp_path):
+    """A group's members share their prompt's prefill (one pass admits them together), so a
+    plain step prefills each of its prompts once: what APRIL's resumed answers add shows."""
+    _, lines, samples = run(tmp_path, "plain", "train.steps=2")
+    assert len(lines) == 2
+    for m in lines:
+        prompts = {s.group_id: len(s.prompt_ids) for s in samples if s.step == m["step"]}
+        assert len(prompts) == 6
+        assert m["tokens/prefilled"] == sum(prompts.values())
+
+
 def test_a_judge_without_a_model_grades_with_the_policy_engine(tmp_path):
     """filter.judge.model unset: the loop lends the judge its own engine (the policy judging
     itself), so the run scores every sample instead of failing on 'the judge has no model'."""
