@@ -12,7 +12,10 @@ from pathlib import Path
 # trainer's own drops; these tokens/ keys count tokens but are not destinations.
 TOKEN_KEY = "tokens/"
 TRAINER_DROP_KEY = "train/dropped_tokens/"
-NOT_CATEGORIES = {"tokens/generated", "tokens/decoded", "tokens/batch", "tokens/stale"}
+# totals and prompt-side counts: what the engine prefilled or a fork spared prefilling is no
+# fate of a generated token
+NOT_CATEGORIES = {"tokens/generated", "tokens/decoded", "tokens/batch", "tokens/stale",
+                  "tokens/prefilled", "tokens/prefix_saved"}
 # Levels, not fates: APRIL's tokens held in flight at the end of a step. They meet their fate
 # (trained or filtered) in the step that scores their group, so summing them as a category
 # would count them again in every step they stay carried.

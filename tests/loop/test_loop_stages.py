@@ -97,6 +97,11 @@ def test_a_step_counts_the_prompt_tokens_it_prefilled_once_per_group(tmp_path):
         prompts = {s.group_id: len(s.prompt_ids) for s in samples if s.step == m["step"]}
         assert len(prompts) == 6
         assert m["tokens/prefilled"] == sum(prompts.values())
+    # prompt tokens are no fate of a generated token: the report's categories still add up
+    cats = load_run(tmp_path / "plain").token_categories()
+    assert "prefilled" not in cats and "unaccounted" not in cats
+    for i, m in enumerate(lines):
+        assert sum(v[i] for v in cats.values()) == m["tokens/generated"]
 
 
 def test_a_judge_without_a_model_grades_with_the_policy_engine(tmp_path):
