@@ -332,7 +332,8 @@ def run_arm(config: str | None, overrides: list[str], arm: str, seed: int, token
             "seconds_to_target": hit["seconds"] if hit else t["seconds"],
             "steps_to_target": hit["step"] if hit else t["steps"],
             **diag.summary(hit["step"] if hit else t["steps"]), "curve": curve,
-            "distinct_correct": store_diversity(Path(root) / f"{arm}-{seed}")}
+            "distinct_correct": store_diversity(Path(root) / f"{arm}-{seed}"),
+            "threads": torch.get_num_threads()}  # seconds depend on it (--jobs: 1)
 
 
 def store_diversity(run_dir: Path) -> float | None:
@@ -653,15 +654,17 @@ def main(argv: list[str]) -> int:
                + ([f"task.train_size={args.pool}"] if a in POOLED else [])
                + ([f"control.sgpo.profile_prompts={args.sgpo_prompts}"] if a == "sgpo" else [])
                + ([f"run.eval_samples={args.search_budget}"] if a in TEST_TIME else [])
-               + args.overrides + threads + arm_last(a, config, base)
+               + args.overrides + arm_last(a, config, base)
                for a in arms}  # the command's overrides win, but for arm_last
+    # a run's thread count is how it ran, like its machine, not what it ran: runs side by side
+    # (--jobs) and one at a time reuse each other's
     settings = {a: settings_key(config, per_arm[a], args.tokens, args.eval_tokens, args.gain,
                                 init) for a in arms}
     log = Path(args.root) / "runs.jsonl"
     done = [] if args.fresh else load_finished(log, settings)
     have = {(r["arm"], r["seed"]) for r in done}
-    jobs = [(config, per_arm[a], a, s, args.tokens, args.eval_tokens, args.gain, args.root,
-             init, settings[a]) for a in arms for s in args.seeds if (a, s) not in have]
+    jobs = [(config, per_arm[a] + threads, a, s, args.tokens, args.eval_tokens, args.gain,
+             args.root, init, settings[a]) for a in arms for s in args.seeds if (a, s) not in have]
     if done:
         print(f"reusing {len(done)} finished run(s) from {log}", file=sys.stderr, flush=True)
     new, failed = execute(_run, jobs, args.jobs, log,

@@ -278,10 +278,12 @@ def test_every_arm_spends_its_share_and_finished_runs_are_reused(tmp_path, capsy
     assert isinstance(out["latr_tokens_to_target_ratio"], float)
     log = tmp_path / "runs.jsonl"
     assert len(log.read_text().splitlines()) == 3
-    # again with one more arm: the three finished runs are reused, only ARRoL runs
-    assert methods.main(["--arms", "latr,duet50,arrol", *args]) == 0
+    # again with one more arm, side by side this time: the three finished runs are reused
+    # (a run's thread count is not among its settings), only ARRoL runs, on one thread
+    assert methods.main(["--arms", "latr,duet50,arrol", "--jobs", "2", *args]) == 0
     out2 = json.loads(capsys.readouterr().out)
     assert len(log.read_text().splitlines()) == 4
+    assert [r["threads"] for r in out2["runs"] if r["arm"] == "arrol"] == [1]
     assert {r["arm"] for r in out2["runs"]} == {"grpo", "latr", "duet50", "arrol"}
     assert [r for r in out2["runs"] if r["arm"] == "latr"] == [runs["latr"]]
     assert out2["profile"] == out["profile"]
