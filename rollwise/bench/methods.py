@@ -583,6 +583,10 @@ def method_tables(out: dict) -> None:
             print(f"| {seed} | {to[0]} | {to[1]} | {cell('final_pass1')} | "
                   + " | ".join(cell(k) for k in keys) + " |")
     print("\n(* the target was not reached: the whole budget is counted)")
+    machines = sorted({r["machine"] for r in out["runs"] if r.get("machine")})
+    if len(machines) > 1:
+        print(f"(the runs ran on {len(machines)} machines, {'; '.join(machines)}: seconds "
+              "compare only between the runs of one seed)")
 
 
 def table(out: dict) -> None:

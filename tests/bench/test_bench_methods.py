@@ -244,6 +244,14 @@ def test_april_diagnostics_are_shares_of_the_whole_run_and_older_runs_show_a_das
     methods.method_tables({"arms": ["april"], "seeds": [0], "runs": [base, april]})
     row = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| 0 |")][0]
     assert "| 0.500 / 0.500 | – / 0.375 | – / 4.500 | – / 1230 |" in row
+    # seeds run on two machines: the table says their seconds only compare within a seed
+    later = [{**r, "seed": 1, "machine": "Intel Xeon, 2 cores, amx_bf16"} for r in (base, april)]
+    methods.method_tables({"arms": ["april"], "seeds": [0, 1], "runs": [base, april, *later]})
+    assert "seconds compare only" not in capsys.readouterr().out  # one machine is named
+    earlier = [{**r, "machine": "AMD EPYC, 2 cores, avx512_bf16"} for r in (base, april)]
+    methods.method_tables({"arms": ["april"], "seeds": [0, 1], "runs": [*earlier, *later]})
+    assert "ran on 2 machines, AMD EPYC, 2 cores, avx512_bf16; Intel Xeon" in \
+        capsys.readouterr().out
 
 
 def test_evaluations_follow_the_decoded_tokens(tmp_path):
