@@ -91,19 +91,28 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def counts(self) -> tuple[int, int | None]:
+        """Tokens this worker's engine decoded and prefilled (None: it does not count)."""
+        return self.engine.tokens_generated, getattr(self.engine, "prefill_tokens", None)
+
     def call(self, method: str, *args, **kwargs):
         out = getattr(self.engine, method)(*args, **kwargs)
-        return out, self.engine.tokens_generated, self.engine.version
+        return out, self.counts(), self.engine.version
 
     def sync_state(self):
         return self.receiver.state()
 
     def apply(self, packed_meta: bytes, data):
         ack = self.receiver.apply(unpack_meta(packed_meta), torch.from_numpy(data))
-        return ack, self.engine.tokens_generated, self.engine.version
+        return ack, self.counts(), self.engine.version
 
     def weights(self) -> dict:
         return {k: to_wire(v) for k, v in self.receiver.tensors().items()}
+
+
+def _added(a: tuple[int, int | None], b: tuple[int, int | None]) -> tuple[int, int | None]:
+    """Two workers' (decoded, prefilled) counts summed; prefilled is None if either's is."""
+    return a[0] + b[0], None if a[1] is None or b[1] is None else a[1] + b[1]
 
 
 @dataclass
@@ -146,8 +155,9 @@ class WorkerPool(Engine):
         self._seeds = random.Random(engine_kwargs.get("seed", 0))
         self.version = -1
         self.tokens_generated = 0
-        self._tokens: dict[int, int] = {}  # per live worker
-        self._dead_tokens = 0
+        self.prefill_tokens: int | None = None  # summed as tokens_generated, once counted
+        self._tokens: dict[int, tuple[int, int | None]] = {}  # per live worker: its counts
+        self._dead_tokens = (0, 0)
         self.chain: list = []  # object refs of the payloads since the last full one
         self.base_chain: list = []  # LoRA: the base weights' payloads, under every adapter one
         self.adapters = None  # LoRA: the AdapterSpec the workers apply
@@ -178,7 +188,7 @@ class WorkerPool(Engine):
         return key, self.actor_cls.remote(self.init)
 
     def _admit(self, key: int, actor) -> int:
-        self._tokens[key] = 0
+        self._tokens[key] = (0, 0)
         # starting a process that imports torch takes longer than a call: its own allowance
         self._get(actor.pid.remote(), key, "start", max(self.timeout, STARTUP_S))
         for ref in self.base_chain:  # LoRA: the base weights, then the adapters on them
@@ -421,7 +431,7 @@ class WorkerPool(Engine):
         self.local_to_global[(key, s.local)] = gid
 
     def _requeue(self, dead: int) -> None:
-        self._dead_tokens += self._tokens.pop(dead, 0)
+        self._dead_tokens = _added(self._dead_tokens, self._tokens.pop(dead, (0, 0)))
         for gid, s in list(self.seqs.items()):
             if s.worker == dead and s.paused is None:
                 self.counts["requeued"] += 1
@@ -456,12 +466,15 @@ class WorkerPool(Engine):
     def _result(self, key: int, ref):
         """A generation call's result; a worker that died or did not answer is replaced."""
         try:
-            out, tokens, version = self._get(ref, key, "answer a call")
+            out, counts, version = self._get(ref, key, "answer a call")
         except (TimeoutError, _WorkerLost):
             self._lost(key)
             raise _WorkerLost(key) from None
-        self._tokens[key] = tokens
-        self.tokens_generated = self._dead_tokens + sum(self._tokens.values())
+        self._tokens[key] = counts
+        total = self._dead_tokens
+        for c in self._tokens.values():
+            total = _added(total, c)
+        self.tokens_generated, self.prefill_tokens = total
         return out
 
     def _get(self, ref, key, what: str, timeout: float | None = None):
