@@ -28,13 +28,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if has_cuda else "cpu")
 
 
+def _cpu_capabilities() -> dict:
+    """torch's reading of the CPU (its name, instruction sets); empty where torch has none."""
+    return torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+
+
 def native_bf16(device: str) -> bool:
     """Whether run.device (auto, cpu, cuda) multiplies bfloat16 in hardware: a CUDA GPU that
     supports it, or an x86 CPU with AVX512-BF16 or AMX (oneDNN's bf16 kernels). Elsewhere
     bf16 is emulated and slower than float32, so auto keeps float32."""
     if device != "cpu" and torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    caps = _cpu_capabilities()
     return bool(torch.backends.mkldnn.is_available() and
                 (caps.get("avx512_bf16") or caps.get("amx_bf16")))
 
@@ -45,7 +50,7 @@ def machine() -> str:
     "NVIDIA H200"): seconds and speed-ups are only compared on one machine."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    caps = _cpu_capabilities()
     fast = [k for k in ("amx_bf16", "avx512_bf16") if caps.get(k)]
     return ", ".join([caps.get("cpu_name") or "CPU", f"{os.cpu_count()} cores", *fast[:1]])
 

@@ -156,8 +156,8 @@ class WorkerPool(Engine):
         self.version = -1
         self.tokens_generated = 0
         self.prefill_tokens: int | None = None  # summed as tokens_generated, once counted
-        self._tokens: dict[int, tuple[int, int | None]] = {}  # per live worker: its counts
-        self._dead_tokens = (0, 0)
+        self._counts: dict[int, tuple[int, int | None]] = {}  # per live worker: its counts
+        self._dead_counts = (0, 0)
         self.chain: list = []  # object refs of the payloads since the last full one
         self.base_chain: list = []  # LoRA: the base weights' payloads, under every adapter one
         self.adapters = None  # LoRA: the AdapterSpec the workers apply
@@ -178,7 +178,7 @@ class WorkerPool(Engine):
                 return self._admit(key, actor)
             except _WorkerLost:
                 self.counts["worker_deaths"] += 1
-                self._tokens.pop(key, None)
+                self._counts.pop(key, None)
                 _kill(actor)
         raise RuntimeError(f"{MAX_TRIES} rollout workers in a row died while starting; see the "
                            f"Ray logs (/tmp/ray/session_latest/logs) for why")
@@ -188,7 +188,7 @@ class WorkerPool(Engine):
         return key, self.actor_cls.remote(self.init)
 
     def _admit(self, key: int, actor) -> int:
-        self._tokens[key] = (0, 0)
+        self._counts[key] = (0, 0)
         # starting a process that imports torch takes longer than a call: its own allowance
         self._get(actor.pid.remote(), key, "start", max(self.timeout, STARTUP_S))
         for ref in self.base_chain:  # LoRA: the base weights, then the adapters on them
@@ -431,7 +431,7 @@ class WorkerPool(Engine):
         self.local_to_global[(key, s.local)] = gid
 
     def _requeue(self, dead: int) -> None:
-        self._dead_tokens = _added(self._dead_tokens, self._tokens.pop(dead, (0, 0)))
+        self._dead_counts = _added(self._dead_counts, self._counts.pop(dead, (0, 0)))
         for gid, s in list(self.seqs.items()):
             if s.worker == dead and s.paused is None:
                 self.counts["requeued"] += 1
@@ -470,9 +470,9 @@ class WorkerPool(Engine):
         except (TimeoutError, _WorkerLost):
             self._lost(key)
             raise _WorkerLost(key) from None
-        self._tokens[key] = counts
-        total = self._dead_tokens
-        for c in self._tokens.values():
+        self._counts[key] = counts
+        total = self._dead_counts
+        for c in self._counts.values():
             total = _added(total, c)
         self.tokens_generated, self.prefill_tokens = total
         return out
