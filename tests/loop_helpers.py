@@ -128,3 +128,27 @@ def coin_reward(response, problem):
     """Deterministic 0/1 from the text, so groups are often mixed even for a random model."""
     return float(sum(map(ord, response + problem.id)) % 2), "coin"
 
+
+
+class UncountedEngine:
+    """A plugin engine that does not subclass Engine and counts no prefill: the built-in
+    engine behind every other name."""
+
+    def __init__(self, inner):
+        object.__setattr__(self, "_inner", inner)
+
+    def __getattr__(self, name):
+        if name == "prefill_tokens":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):  # the loop's writes (a failed sync's version) go in
+        if name == "prefill_tokens":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+
+def uncounted_engine(cfg, model, tokenizer=None, run_dir=None):
+    from rollwise.engine.backends import builtin
+    return UncountedEngine(builtin(cfg, model, tokenizer, run_dir))

@@ -247,7 +247,7 @@ class Run:
         trainer (rollwise.loop.async_); it never reads the trainer's weights."""
         t0, ledger, version = time.time(), Ledger(), self.engine.version
         self.current_step, decoded0 = step, self.engine.tokens_generated
-        prefilled0 = getattr(self.engine, "prefill_tokens", None)  # a plugin may not count
+        prefilled0 = self.engine.prefill_tokens  # None: the engine does not count
         want = self.cfg.control.prompts_per_step
         self.control.prepare(step, ledger)  # sGPO's profiling pass, once
         replayed = self.replay.take(want, version, self.rng)                   # Replay

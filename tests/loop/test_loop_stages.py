@@ -104,6 +104,20 @@ def test_a_step_counts_the_prompt_tokens_it_prefilled_once_per_group(tmp_path):
         assert sum(v[i] for v in cats.values()) == m["tokens/generated"]
 
 
+def test_a_plugin_engine_that_counts_no_prefill_runs_the_same_steps_without_the_metric(
+        tmp_path):
+    """An engine from a dotted path that lacks `prefill_tokens` gets the contract's default
+    (None: not counted): the step reports no prefilled tokens instead of failing, and the run
+    is the built-in engine's sample for sample."""
+    _, plain, plain_samples = run(tmp_path, "builtin", "train.steps=2")
+    _, lines, samples = run(tmp_path, "plugin", "train.steps=2",
+                            "engine.backend=tests.loop_helpers:uncounted_engine")
+    assert all("tokens/prefilled" in m for m in plain)
+    assert not any("tokens/prefilled" in m for m in lines)
+    assert [m["tokens/decoded"] for m in lines] == [m["tokens/decoded"] for m in plain]
+    assert [s.response_ids for s in samples] == [s.response_ids for s in plain_samples]
+
+
 def test_a_judge_without_a_model_grades_with_the_policy_engine(tmp_path):
     """filter.judge.model unset: the loop lends the judge its own engine (the policy judging
     itself), so the run scores every sample instead of failing on 'the judge has no model'."""
