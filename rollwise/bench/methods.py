@@ -640,6 +640,10 @@ def main(argv: list[str]) -> int:
                    help="print the tables of a saved --json output and exit (runs nothing)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = p.parse_args(argv)
+    stray = [o for o in args.overrides if o in ARMS]  # `--arms a b`: b lands among overrides
+    if stray:
+        p.error(f"arm(s) {', '.join(stray)} given apart, where overrides go: give the arms "
+                f"as one comma-separated list, --arms {','.join(args.arms + stray)}")
     if args.report:
         out = json.loads(Path(args.report).read_text())
         table(out)

@@ -167,6 +167,16 @@ def test_baselines_are_added_before_the_arms_that_need_them():
         methods.arm_list("latr,bogus")
 
 
+def test_arms_given_apart_are_refused_with_the_list_to_give_before_any_work(capsys,
+                                                                             monkeypatch):
+    monkeypatch.setattr(methods, "warm_start_of", lambda *a: pytest.fail("work started"))
+    with pytest.raises(SystemExit) as stop:
+        methods.main(["--arms", "april", "arrol", "duet50", "run.seed=3"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "arm(s) arrol, duet50 given apart" in err and "--arms april,arrol,duet50" in err
+
+
 def test_summary_keys_come_from_the_runs():
     def run(arm, seed, tokens, final, **kw):
         r = {"arm": arm, "seed": seed, "tokens_to_target": tokens, "final_pass1": final,
