@@ -233,6 +233,11 @@ class EngineConfig(Section):
     0: off. auto: when generate.env is set (episodes), room for a step's episodes
     (prompts_per_step x group_size x 2 x the episode's token limit); else off. vllm always
     uses its own prefix cache."""
+    share_prefix: bool = False
+    """builtin: a request that starts with the same ids as a running one (admitted under the
+    current weights) copies those K/V positions from its slot and prefills only the rest, as
+    vLLM's prefix caching does for live requests: APRIL's resumed answers share their prompt's
+    prefill within a group. Results differ from a full prefill by float rounding only."""
     gpu_memory_utilization: float = Field(0.45, gt=0, lt=1)
     """vllm on a GPU beside the trainer: the share of the device's memory vLLM takes (weights
     and KV cache); the trainer uses the rest. Ignored on CPU."""

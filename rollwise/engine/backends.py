@@ -45,7 +45,8 @@ def build_engine(cfg, model, tokenizer=None, run_dir: str | Path | None = None):
 def builtin(cfg, model, tokenizer=None, run_dir=None):
     kwargs = dict(max_batch=cfg.engine.max_batch, seed=cfg.run.seed, segment=cfg.engine.segment,
                   kv_budget_tokens=kv_budget_tokens(cfg, model),
-                  prefix_cache_tokens=prefix_cache_tokens(cfg), graph=cfg.engine.graph)
+                  prefix_cache_tokens=prefix_cache_tokens(cfg), graph=cfg.engine.graph,
+                  share_prefix=cfg.engine.share_prefix)
     dtype = None if cfg.sync.engine_dtype == "same" else engine_dtype(cfg, model)
     if cfg.sync.transport in WIRES:
         return EngineProcess(model, dtype=dtype, wire=WIRES[cfg.sync.transport],

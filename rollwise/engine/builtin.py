@@ -30,6 +30,10 @@ prefills only the rest: an agent's next turn (the episode so far + the environme
 costs the new tokens only. Each request's first event says how many positions it reused
 (`Event.cached_tokens`). New weights, or `reset_prefix_cache()`, empty the cache: K/V is never
 reused across versions.
+
+With `share_prefix` a request that starts with the same ids as a running one copies those K/V
+positions from its slot (rollwise.engine.prefix.LivePrefixes): APRIL's resumed answers prefill
+their group's prompt once. Only K/V computed under the current weights is shared.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class BuiltinEngine(Engine):
     def __init__(self, model, *, max_batch: int = 1024, seed: int = 0,
                  version: int = 0, copy_model: bool = True, segment: int = 16,
                  kv_budget_tokens: int | None = None, max_prefill_tokens: int = 8192,
-                 prefix_cache_tokens: int = 0, graph: str = "auto"):
+                 prefix_cache_tokens: int = 0, graph: str = "auto",
+                 share_prefix: bool = False):
         if copy_model:
             model = copy.deepcopy(model)
             model.eval().requires_grad_(False)
@@ -85,7 +90,8 @@ class BuiltinEngine(Engine):
         self.forward_passes = 0  # model forward passes (decode ticks), windows counted per pass
         self.scheduler = Scheduler(max_batch, kv_budget_tokens=kv_budget_tokens,
                                    max_prefill_tokens=max_prefill_tokens, segment=segment,
-                                   prefix_cache_tokens=prefix_cache_tokens)
+                                   prefix_cache_tokens=prefix_cache_tokens,
+                                   share_prefix=share_prefix)
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._vocab = model.get_input_embeddings().num_embeddings
@@ -98,8 +104,9 @@ class BuiltinEngine(Engine):
 
     @property
     def prefix_tokens_saved(self) -> int:
-        """Prompt and response tokens forked children did not prefill again (K/V copied)."""
-        return self.scheduler.fork_tokens_saved
+        """Prompt and response tokens forked children, and requests sharing a running one's
+        prefix (share_prefix), did not prefill again (K/V copied)."""
+        return self.scheduler.fork_tokens_saved + self.scheduler.shared_prefix_tokens
 
     @property
     def prefix_hit_tokens(self) -> int:

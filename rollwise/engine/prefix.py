@@ -98,3 +98,55 @@ def _common(a: list[int], b: list[int], limit: int) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class LivePrefixes:
+    """Running sequences as donors of K/V (`share_prefix`): a request admitted later whose ids
+    start with the same block(s) as a running sequence's copies those positions from its slot
+    and prefills only the rest, as vLLM's prefix caching shares the blocks of live requests.
+    APRIL's resumed answers are the case: each is its prompt + partial answer, and a group's
+    members share the prompt. Donors are found by the same chained block hashes, then checked
+    id for id. Only K/V of the current weights is shared: `clear()` at each weight change."""
+
+    def __init__(self):
+        self._by_hash: dict[int, dict[int, object]] = {}  # hash -> {seq_id: sequence}
+        self._hashes: dict[int, list[int]] = {}  # seq_id -> its hashes
+
+    def register(self, seq) -> None:
+        """`seq` was admitted: its prefill ids' K/V is in its slot after its first pass."""
+        self._hashes[seq.seq_id] = block_hashes(seq.prefill_ids)
+        for h in self._hashes[seq.seq_id]:
+            self._by_hash.setdefault(h, {})[seq.seq_id] = seq
+
+    def release(self, seq_id: int) -> None:
+        for h in self._hashes.pop(seq_id, ()):
+            bucket = self._by_hash[h]
+            bucket.pop(seq_id, None)
+            if not bucket:
+                del self._by_hash[h]
+
+    def clear(self) -> None:
+        self._by_hash.clear(), self._hashes.clear()
+
+    def find(self, ids: list[int], pending: set[int]):
+        """(donor, positions) for the donor sharing the longest prefix with `ids` (at most
+        len(ids) - 1, at least a block), or 'wait' when only a sequence admitted in this pass
+        (`pending`: its K/V is not computed yet) shares it, or None."""
+        deepest: dict[int, object] = {}
+        for h in block_hashes(ids[:-1]):
+            found = self._by_hash.get(h)
+            if not found:
+                break
+            deepest = found
+        best, best_n, wait = None, 0, False
+        for seq_id in sorted(deepest):  # the oldest first: ties go to it
+            if seq_id in pending:
+                wait = True
+                continue
+            donor = deepest[seq_id]
+            n = _common(donor.prefill_ids[:donor.cached], ids, len(ids) - 1)
+            if n > best_n:
+                best, best_n = donor, n
+        if best_n >= BLOCK:
+            return best, best_n
+        return "wait" if wait else None

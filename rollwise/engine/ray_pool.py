@@ -531,4 +531,5 @@ def worker_pool(cfg, model) -> WorkerPool:
     return WorkerPool(model, cfg.loop.rollout_workers, **common,
                       max_batch=cfg.engine.max_batch, seed=cfg.run.seed,
                       segment=cfg.engine.segment, kv_budget_tokens=kv_budget_tokens(cfg, model),
-                      prefix_cache_tokens=prefix_cache_tokens(cfg), graph=cfg.engine.graph)
+                      prefix_cache_tokens=prefix_cache_tokens(cfg), graph=cfg.engine.graph,
+                  share_prefix=cfg.engine.share_prefix)

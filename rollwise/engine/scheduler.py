@@ -17,6 +17,11 @@ Prefix cache (`prefix_cache_tokens` > 0): a sequence that finishes leaves its K/
 a PrefixIndex (rollwise/engine/prefix.py); a request admitted later whose ids start with an
 entry's gets those positions loaded into its slot (`plan.loads`) and prefills only the rest.
 The K/V is copied out of the slot right after the step that finished it (`take_saves`).
+
+Shared prefixes (`share_prefix`): a request admitted while a running sequence (admitted under
+the current weights) starts with the same ids copies those positions from its slot (a copy
+before the pass, like a fork's) and prefills only the rest. One that shares its prefix only with
+a request admitted in the same pass waits for the next pass, when that one's K/V exists.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollwise.engine.prefix import PrefixIndex
+from rollwise.engine.prefix import LivePrefixes, PrefixIndex
 
 ROW_ALIGN = 8  # the cache grows in steps of 8 rows and 16 positions: rarely reallocated
 LEN_ALIGN = 16
@@ -159,7 +164,7 @@ def _round_up(n: int, align: int) -> int:
 class Scheduler:
     def __init__(self, max_slots: int, *, kv_budget_tokens: int | None = None,
                  max_prefill_tokens: int = 8192, segment: int = 16,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, share_prefix: bool = False):
         if max_slots < 1 or segment < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_slots={max_slots}, segment={segment}, max_prefill_tokens="
                              f"{max_prefill_tokens}: each must be >= 1")
@@ -177,6 +182,8 @@ class Scheduler:
         self.fork_tokens_saved = 0  # K/V positions forks copied instead of prefilling again
         self.prefix = PrefixIndex(prefix_cache_tokens) if prefix_cache_tokens else None
         self.prefix_hit_tokens = 0  # K/V positions loaded from the prefix cache
+        self.live = LivePrefixes() if share_prefix else None
+        self.shared_prefix_tokens = 0  # K/V positions copied from running sequences
         self._saves: list[tuple[int, int, int]] = []  # (slot, entry, positions) to copy out
         self._drops: list[int] = []  # entries whose K/V the runner may free
 
@@ -216,6 +223,7 @@ class Scheduler:
         shared: list[tuple[Sequence, Sequence]] = []
         leaders: dict[tuple[int, ...], Sequence] = {}
         loads: list[tuple[int, int, int]] = []
+        admitted: set[int] = set()  # this pass's: no K/V to share until it has run
         budget = self.max_prefill_tokens
         rows_need, len_need = self._occupied()
         while self.waiting and self.free_slots:
@@ -228,11 +236,22 @@ class Scheduler:
                 break
             hit = self.prefix.lookup(seq.prefill_ids) if leader is None and self.prefix \
                 else None
-            fed = len(key) - (hit[1] if hit else 0)
+            share = self.live.find(seq.prefill_ids, admitted) if leader is None and \
+                hit is None and self.live is not None else None
+            if share == "wait":
+                break
+            fed = len(key) - (hit[1] if hit else share[1] if share else 0)
             if leader is None and prefill and fed > budget:
                 break
             self.waiting.popleft()
             self._place(seq, shape)
+            admitted.add(seq.seq_id)
+            if self.live is not None:
+                self.live.register(seq)
+            if share:
+                donor, seq.cached = share
+                self._copies.append((donor.slot, seq.slot, seq.cached))
+                self.shared_prefix_tokens += seq.cached
             seq.prefix_entry, seq.prefix_hit = hit if hit else (None, 0)
             if hit:
                 seq.cached = hit[1]
@@ -409,12 +428,16 @@ class Scheduler:
         return out
 
     def reset_prefix_cache(self) -> None:
-        """Forget every prefix-cache entry (the weights changed)."""
+        """Forget every prefix-cache entry and donor (the weights changed)."""
+        if self.live is not None:
+            self.live.clear()
         if self.prefix is not None:
             self._saves = []
             self._drops += self.prefix.clear()
 
     def _release(self, seq: Sequence) -> None:
+        if self.live is not None:
+            self.live.release(seq.seq_id)
         if seq.seq_id in self.running:
             del self.running[seq.seq_id]
             heapq.heappush(self.free_slots, seq.slot)

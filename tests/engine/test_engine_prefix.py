@@ -204,3 +204,72 @@ def test_an_agents_next_turn_prefills_only_the_environments_tokens(wild, make):
     assert counts["engine/prefix_cache/tokens"] >= seen
     assert counts["engine/prefix_cache/tokens"] >= engine.prefix_hit_tokens > 0
     assert plain_engine.prefill_tokens - engine.prefill_tokens == engine.prefix_hit_tokens
+
+
+# ---- shared prefixes of running requests (engine.share_prefix) ------------------------------
+
+PARTIALS = [[30, 31, 32], [40] * 9, [45, 46], [50] * 20]  # differ at their first token
+
+
+def test_resumed_answers_share_their_prompts_prefill_and_match_a_full_prefill(wild, make):
+    """APRIL's case: a group's paused answers resume as prompt + partial answer. The first
+    prefills all of it; the others wait one pass, copy the prompt's K/V from its slot and
+    prefill only their own tokens, with the tokens and log-probabilities of a full prefill."""
+    sampled = [dataclasses.replace(GREEDY, temperature=1.0, seed=s) for s in range(4)]
+    requests = [Request(PROMPT + p, s) for p, s in zip(PARTIALS, sampled)]
+    engine = make(wild, cache=0, share_prefix=True)
+    got, cached = run(engine, requests)
+    assert engine.prefill_tokens == len(PROMPT) + sum(map(len, PARTIALS))
+    assert engine.scheduler.shared_prefix_tokens == 3 * len(PROMPT)
+    assert engine.prefix_tokens_saved == 3 * len(PROMPT) and cached == [0] * 4
+    plain = make(wild, cache=0)
+    assert got == [c.token_ids for c in plain.generate(requests)]
+    assert plain.prefill_tokens == sum(len(r.prompt_ids) for r in requests)
+    for r, toks, s in zip(requests, got, engine.generate(requests)):
+        lp, _ = forward_logprobs(wild, r.prompt_ids, toks, r.params)
+        assert s.token_ids == toks
+        assert max(abs(x - y) for x, y in zip(s.logprobs, lp.tolist())) < 1e-4
+
+
+def test_only_kv_of_the_current_weights_is_shared(wild, make):
+    """A request running when the weights change holds K/V of the old ones: a later request
+    with its prefix prefills it again."""
+    other = contract.wild_model(seed=7)[0]
+    engine = make(wild, cache=0, share_prefix=True)
+    long = dataclasses.replace(GREEDY, max_new_tokens=40)
+    engine.add(Request(PROMPT, long))
+    for _ in range(3):
+        engine.step()
+    engine.load_weights(other.state_dict(), version=1)
+    engine.add(Request(PROMPT + [30, 31], GREEDY))
+    out = {}
+    for ev in engine.stream():
+        out.setdefault(ev.seq_id, []).extend(ev.token_ids)
+    assert engine.scheduler.shared_prefix_tokens == 0
+    assert out[1] == hf_greedy(other, PROMPT + [30, 31], GREEDY.max_new_tokens)
+
+
+def test_live_prefixes_find_the_longest_running_donor_or_say_wait():
+    from rollwise.engine.prefix import LivePrefixes
+    from rollwise.engine.scheduler import Sequence
+
+    def seq(i, ids, cached):
+        s = Sequence(i, i, ids, GREEDY)
+        s.cached = cached
+        return s
+
+    live = LivePrefixes()
+    a, b = seq(0, list(range(40)), 40), seq(1, list(range(30)) + [99] * 10, 40)
+    live.register(a), live.register(b)
+    assert live.find(list(range(50)), pending=set()) == (a, 40)
+    assert live.find(list(range(30)) + [99] * 12, pending=set()) == (b, 40)
+    assert live.find(list(range(25)) + [7] * 5, pending=set()) == (a, 25)  # a tie: the oldest
+    assert live.find(list(range(40)), pending=set()) == (a, 39)  # the last token is fed
+    assert live.find(list(range(BLOCK - 1)) + [5, 5], pending=set()) is None
+    assert live.find(list(range(50)), pending={0}) == "wait"  # a's K/V not computed yet
+    assert live.find(list(range(25)) + [7] * 5, pending={0}) == (b, 25)
+    assert live.find(list(range(20)), pending=set()) == (a, 19)
+    live.release(0)
+    assert live.find(list(range(50)), pending=set()) == (b, 30)
+    live.clear()
+    assert live.find(list(range(50)), pending=set()) is None

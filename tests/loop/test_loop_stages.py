@@ -88,6 +88,24 @@ def test_april_in_the_loop_stores_every_sample_once_and_counts_carried_tokens(tm
         all(m["tokens/paused_carried"] == 0 for m in lines)
 
 
+@pytest.mark.integration
+def test_april_with_shared_prefixes_prefills_what_running_answers_share_once(tmp_path):
+    """engine.share_prefix: a request copies the K/V of the ids it shares with a running one
+    (the system prompt across prompts; a carried group's prompt across its resumed answers).
+    The run samples the same answers, stores each once, and prefills less."""
+    april = ["control.inflight=april", "generate.max_new_tokens=64", "engine.segment=4",
+             "task.system_prompt=Think step by step and answer.", "train.steps=3"]
+    _, plain, plain_samples = run(tmp_path, "plain", *april)
+    _, lines, samples = run(tmp_path, "shared", *april, "engine.share_prefix=true")
+    assert any(len(set(s.versions)) > 1 for s in samples)  # answers resumed under new weights
+    assert len({s.uid for s in samples}) == len(samples) and all(s.finished for s in samples)
+    assert [s.response_ids for s in samples] == [s.response_ids for s in plain_samples]
+    for m, p in zip(lines, plain):
+        assert m["tokens/decoded"] == p["tokens/decoded"]
+        assert m["tokens/prefilled"] + m["tokens/prefix_saved"] == p["tokens/prefilled"]
+        assert m["tokens/prefilled"] < p["tokens/prefilled"]
+
+
 def test_a_step_counts_the_prompt_tokens_it_prefilled_once_per_group(tmp_path):
     """A group's members share their prompt's prefill (one pass admits them together), so a
     plain step prefills each of its prompts once: what APRIL's resumed answers add shows."""

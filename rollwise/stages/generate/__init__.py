@@ -59,7 +59,7 @@ def generate_round(engine, generator: Generator, control, params, n: int, step: 
     saved = engine.prefix_tokens_saved
     generator.generate(rollout, problems, step)
     rollout.run()  # whatever the generator left running (a no-op when it ran to the end)
-    if engine.prefix_tokens_saved > saved:  # tree forks that copied K/V
+    if engine.prefix_tokens_saved > saved:  # K/V copied: tree forks, shared prefixes
         ledger.tokens_to("prefix_saved", engine.prefix_tokens_saved - saved)
     groups = control.inflight.end(rollout, n)
     unfinished = [s.uid for g in groups for s in g.samples if not s.finished]
