@@ -12,6 +12,7 @@ holds the tensors by entry id (Runner.save / load / drop).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 BLOCK = 16  # a request reuses an entry when they share at least one whole block
 
@@ -40,12 +41,7 @@ class PrefixIndex:
     def lookup(self, ids: list[int]) -> tuple[int, int] | None:
         """(entry id, positions to reuse) for the entry sharing the longest prefix with `ids`,
         at most len(ids) - 1 (the last token is fed to get the next token's logits)."""
-        deepest: set[int] = set()
-        for h in block_hashes(ids[:-1]):  # entries of the deepest shared block share the most
-            found = self._by_hash.get(h)
-            if not found:
-                break
-            deepest = found
+        deepest = _deepest(self._by_hash, ids)
         best, best_n = None, 0
         for e in sorted(deepest):  # ties go to the oldest entry, whatever the ids' offset: a
             # round picks the same K/V whatever earlier rounds (an evaluation) entered
@@ -92,6 +88,18 @@ class PrefixIndex:
         return gone
 
 
+def _deepest(by_hash: dict, ids: list[int]):
+    """The bucket of the deepest block of ids[:-1] (the last token is always fed) found in
+    `by_hash`: its members share the most with `ids` (empty if none shares a block)."""
+    deepest: Any = ()
+    for h in block_hashes(ids[:-1]):
+        found = by_hash.get(h)
+        if not found:
+            break
+        deepest = found
+    return deepest
+
+
 def _common(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     for i in range(n):
@@ -132,12 +140,7 @@ class LivePrefixes:
         """(donor, positions) for the donor sharing the longest prefix with `ids` (at most
         len(ids) - 1, at least a block), or 'wait' when only a sequence admitted in this pass
         (`pending`: its K/V is not computed yet) shares it, or None."""
-        deepest: dict[int, object] = {}
-        for h in block_hashes(ids[:-1]):
-            found = self._by_hash.get(h)
-            if not found:
-                break
-            deepest = found
+        deepest = _deepest(self._by_hash, ids)
         best, best_n, wait = None, 0, False
         for seq_id in sorted(deepest):  # the oldest first: ties go to it
             if seq_id in pending:
