@@ -613,7 +613,7 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=CONFIG, help="run config (\"\": the defaults)")
     p.add_argument("--arms", type=arm_list, default=["latr", "arrol", "duet50"],
-                   help=f"comma-separated, from: {','.join(ARMS)}")
+                   help=f"comma- or space-separated, from: {','.join(ARMS)}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--tokens", type=float, default=40_000,
                    help="generated-token budget of each run (DUET-50: half)")
@@ -640,10 +640,14 @@ def main(argv: list[str]) -> int:
                    help="print the tables of a saved --json output and exit (runs nothing)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = p.parse_args(argv)
-    stray = [o for o in args.overrides if o in ARMS]  # `--arms a b`: b lands among overrides
-    if stray:
-        p.error(f"arm(s) {', '.join(stray)} given apart, where overrides go: give the arms "
-                f"as one comma-separated list, --arms {','.join(args.arms + stray)}")
+    # `--arms a b` (as the other benches take them): b lands among the overrides
+    loose = [o for o in args.overrides if "=" not in o]
+    unknown = [o for o in loose if o not in ARMS]
+    if unknown:
+        p.error(f"{', '.join(map(repr, unknown))}: neither an arm ({','.join(ARMS)}) nor an "
+                "override section.key=value")
+    args.arms += [o for o in loose if o not in args.arms]
+    args.overrides = [o for o in args.overrides if "=" in o]
     if args.report:
         out = json.loads(Path(args.report).read_text())
         table(out)

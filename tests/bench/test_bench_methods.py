@@ -167,14 +167,34 @@ def test_baselines_are_added_before_the_arms_that_need_them():
         methods.arm_list("latr,bogus")
 
 
-def test_arms_given_apart_are_refused_with_the_list_to_give_before_any_work(capsys,
+def test_arms_may_be_given_apart_and_a_stray_word_is_refused_before_any_work(capsys,
                                                                              monkeypatch):
-    monkeypatch.setattr(methods, "warm_start_of", lambda *a: pytest.fail("work started"))
-    with pytest.raises(SystemExit) as stop:
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def warm_start_of(config, base, root, init):
+        seen["base"] = base
+        return "init"
+
+    def with_baselines(arms):
+        seen["arms"] = arms
+        raise Stop
+
+    monkeypatch.setattr(methods, "warm_start_of", warm_start_of)
+    monkeypatch.setattr(methods, "cached_profile", lambda *a: {"stats": {}})
+    monkeypatch.setattr(methods, "with_baselines", with_baselines)
+    with pytest.raises(Stop):
         methods.main(["--arms", "april", "arrol", "duet50", "run.seed=3"])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert "arm(s) arrol, duet50 given apart" in err and "--arms april,arrol,duet50" in err
+    assert seen["arms"] == ["april", "arrol", "duet50"]
+    assert seen["base"][-1] == "run.seed=3" and "arrol" not in seen["base"]
+
+    seen.clear()
+    with pytest.raises(SystemExit) as stop:
+        methods.main(["--arms", "april", "arol", "run.seed=3"])
+    assert stop.value.code == 2 and not seen
+    assert "'arol': neither an arm" in capsys.readouterr().err
 
 
 def test_summary_keys_come_from_the_runs():
