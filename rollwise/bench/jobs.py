@@ -9,7 +9,8 @@ import multiprocessing as mp
 import sys
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable
 
@@ -32,13 +33,27 @@ def _guarded(fn: Callable[..., dict], job: tuple, label: dict) -> dict:
         return {**label, "error": err}
 
 
+def _in_own_process(fn: Callable[..., dict], job: tuple, label: dict) -> dict:
+    """fn(*job) in a fresh process: nothing one run leaves in memory reaches the next, and a
+    process killed from outside (the kernel's out-of-memory killer) fails its run alone."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as one:
+        try:
+            return one.submit(_guarded, fn, job, label).result()
+        except BrokenProcessPool:
+            err = ("the run's process died without a Python error (killed: most often the "
+                   "machine ran out of memory; `dmesg` names an OOM kill). Rerun with fewer "
+                   "--jobs side by side: the finished runs are kept.")
+            print(f"{label} FAILED: {err}", file=sys.stderr, flush=True)
+            return {**label, "error": err}
+
+
 def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
             label: Callable[[tuple], dict], append: bool = False
             ) -> tuple[list[dict], list[dict]]:
     """fn(*job) for every job (fn a module-level function, for the worker processes), n_jobs
-    side by side. label(job) names a job in its failure record. Returns (finished results,
-    failure records), in the order they finished, each with the machine it ran on. The log
-    starts empty unless `append`."""
+    side by side, each in its own process. label(job) names a job in its failure record.
+    Returns (finished results, failure records), in the order they finished, each with the
+    machine it ran on. The log starts empty unless `append`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if not append or not log.exists():
         log.write_text("")
@@ -50,8 +65,9 @@ def execute(fn: Callable[..., dict], jobs: list[tuple], n_jobs: int, log: Path,
         with log.open("a") as f:
             f.write(json.dumps(r) + "\n")
     if n_jobs > 1:
-        with ProcessPoolExecutor(n_jobs, mp_context=mp.get_context("spawn")) as pool:
-            for f in as_completed([pool.submit(_guarded, fn, j, label(j)) for j in jobs]):
+        with ThreadPoolExecutor(n_jobs) as pool:
+            for f in as_completed([pool.submit(_in_own_process, fn, j, label(j))
+                                   for j in jobs]):
                 keep(f.result())
     else:
         for j in jobs:

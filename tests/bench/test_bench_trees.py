@@ -2,6 +2,8 @@
 they saved, and the summary's ratios come from the runs."""
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -81,7 +83,9 @@ def test_bench_trees_runs_every_arm_within_one_budget_and_trees_branch(tmp_path,
 def _maybe_fail(part, arm, seed):
     if arm == "bad":
         raise RuntimeError("engine fell over")
-    return {"part": part, "arm": arm, "seed": seed}
+    if arm == "killed":  # as the kernel's out-of-memory killer does
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"part": part, "arm": arm, "seed": seed, "pid": os.getpid()}
 
 
 @pytest.mark.parametrize("n_jobs", [1, pytest.param(2, marks=pytest.mark.integration)])
@@ -95,3 +99,17 @@ def test_a_failing_run_is_reported_and_loses_no_other_run(tmp_path, n_jobs):
     logged = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert sorted(r["arm"] for r in logged) == ["bad", "iid", "latr"]
     assert {r["machine"] for r in logged} == {machine()}  # seconds compare on one machine
+
+
+@pytest.mark.integration
+def test_runs_side_by_side_each_get_a_fresh_process_and_a_killed_one_fails_alone(tmp_path):
+    jobs = [("latr", arm, seed) for arm in ("iid", "killed", "latr") for seed in (0, 1)]
+    runs, failed = execute(_maybe_fail, jobs, 2, tmp_path / "runs.jsonl",
+                           lambda j: {"part": j[0], "arm": j[1], "seed": j[2]})
+    assert sorted((r["arm"], r["seed"]) for r in runs) == [("iid", 0), ("iid", 1),
+                                                           ("latr", 0), ("latr", 1)]
+    assert len({r["pid"] for r in runs} | {os.getpid()}) == 5  # no process runs twice
+    assert sorted((r["arm"], r["seed"]) for r in failed) == [("killed", 0), ("killed", 1)]
+    assert all("process died" in r["error"] and "fewer --jobs" in r["error"] for r in failed)
+    logged = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len(logged) == 6
