@@ -646,7 +646,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         p.error(f"{', '.join(map(repr, unknown))}: neither an arm ({','.join(ARMS)}) nor an "
                 "override section.key=value")
-    args.arms += [o for o in loose if o not in args.arms]
+    args.arms = args.arms + [o for o in loose if o not in args.arms]
     args.overrides = [o for o in args.overrides if "=" in o]
     if args.report:
         out = json.loads(Path(args.report).read_text())
