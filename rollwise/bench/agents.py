@@ -31,6 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollwise.bench.target import reaches
 from rollwise.config import load_config
 from rollwise.loop.run import train
 from rollwise.report.data import read_metrics
@@ -118,7 +119,7 @@ def trace_arms(config: str, base: list[str], init: str, seed: int, advantage: st
 
 def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
     """The first step whose held-out pass@1 reaches the target (None: never)."""
-    return next((step for step, p in curve if p >= target), None)
+    return next((step for step, p in curve if reaches(p, target)), None)
 
 
 def earlier(trace: list[dict], target: str) -> dict[str, int]:

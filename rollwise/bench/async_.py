@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from rollwise.bench.jobs import BENCH_RUN, execute, print_keys_and_failures, warm_start_folder
+from rollwise.bench.target import reaches
 from rollwise.config import load_config
 from rollwise.loop.run import train
 from rollwise.ray_cluster import shutdown
@@ -97,7 +98,7 @@ def measure(rows: list[dict], target: float) -> dict:
     for m in rows:
         eval_so_far += m.get("perf/eval_seconds", 0.0)
         clock.append(m["wall_seconds"] - eval_so_far)
-        if reached is None and m.get("eval/pass1", -1) >= target and m["step"] > 0:
+        if reached is None and reaches(m.get("eval/pass1", -1), target) and m["step"] > 0:
             reached = clock[-1] - clock[0]
     steps = [m for m in rows if m["step"] > 0]
     seconds = clock[-1] - clock[0]

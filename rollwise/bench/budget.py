@@ -36,11 +36,11 @@ from pathlib import Path
 from rollwise.bench.jobs import (
     BENCH_RUN,
     execute,
-    first_reach,
     print_keys_and_failures,
     train_to_budget,
     warm_start_folder,
 )
+from rollwise.bench.target import first_reach
 
 
 @dataclass(frozen=True)

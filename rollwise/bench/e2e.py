@@ -32,6 +32,7 @@ import torch
 from rollwise import models
 from rollwise.bench.e2e_trl import run_trl as trl_train
 from rollwise.bench.e2e_trl import trl_precision
+from rollwise.bench.target import reaches
 from rollwise.config import Config, dump_config, load_config
 from rollwise.engine import BuiltinEngine
 from rollwise.evaluate import evaluate
@@ -48,7 +49,7 @@ DEFAULTS = ["run.eval_every=1", "run.log=quiet"]  # eval every step: exact time 
 def time_to_target(rows: list[dict], target: float, clock: str) -> float:
     """Training seconds at the first evaluation with pass@1 >= target; inf if none."""
     for r in rows:
-        if r.get("eval/pass1", -1.0) >= target - 1e-12:
+        if reaches(r.get("eval/pass1", -1.0), target):
             return float(r[clock])
     return math.inf
 
@@ -68,7 +69,7 @@ def summarize(framework: str, seed: int, rows: list[dict], target: float) -> dic
     return {"framework": framework, "seed": seed,
             "seconds_to_target": time_to_target(rows, target, "train_seconds"),
             "steps_to_target": next((r["step"] for r in evals
-                                     if r["eval/pass1"] >= target - 1e-12), None),
+                                     if reaches(r["eval/pass1"], target)), None),
             "seconds_per_step": rows[-1]["train_seconds"] / max(len(steps), 1),
             "pass1_start": evals[0]["eval/pass1"], "pass1_final": evals[-1]["eval/pass1"],
             "pass1_best": max(r["eval/pass1"] for r in evals), "steps": len(steps),
@@ -183,7 +184,7 @@ def levels_table(results: list[dict], levels: list[float]) -> str:
     for fw in dict.fromkeys(r["framework"] for r in results):
         cells = []
         for x in levels:
-            reach = [next(((s, t) for s, t, p in r["curve"] if p >= x - 1e-12), None)
+            reach = [next(((s, t) for s, t, p in r["curve"] if reaches(p, x)), None)
                      for r in results if r["framework"] == fw]
             secs = median([math.inf if c is None else c[1] for c in reach])
             steps = median([math.inf if c is None else c[0] for c in reach])

@@ -135,6 +135,3 @@ def train_to_budget(config: str | None, overrides: list[str], tokens: float, eva
         return {"steps": step, "tokens": used, "seconds": seconds, "curve": curve}
 
 
-def first_reach(curve: list[dict], target: float) -> dict | None:
-    """The first evaluation at or above target, or None."""
-    return next((c for c in curve if c["pass1"] >= target), None)

@@ -85,11 +85,11 @@ from rollwise.bench import warm_profile
 from rollwise.bench.jobs import (
     BENCH_RUN,
     execute,
-    first_reach,
     print_keys_and_failures,
     train_to_budget,
     warm_start_folder,
 )
+from rollwise.bench.target import first_reach
 from rollwise.bench.trees import distinct_answers
 from rollwise.config import load_config
 from rollwise.stages.filter import eval_scorer
@@ -403,13 +403,18 @@ MEDIANS = ("tokens_to_target", "seconds_to_target", "steps_to_target", "final_pa
            "group_size_max")
 
 
+def _median_known(values: list) -> float | None:
+    """The median, or None where a run's value is unknown."""
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
 def summarize(runs: list[dict], seeds: list[int]) -> dict:
     by: dict[str, list[dict]] = {}
     for r in runs:
         if r["arm"] not in TEST_TIME:
             by.setdefault(r["arm"], []).append(r)
     searched = [r for r in runs if r["arm"] == "dora"]
-    med = {a: {k: statistics.median(r[k] for r in rs) for k in MEDIANS}
+    med = {a: {k: _median_known([r[k] for r in rs]) for k in MEDIANS}
            for a, rs in by.items()}
     for a, rs in by.items():  # runs recorded before it was kept have their stores read
         known = [r["distinct_correct"] for r in rs if r.get("distinct_correct") is not None]
@@ -521,7 +526,20 @@ def load_finished(log: Path, settings: dict[str, str]) -> list[dict]:
     if not log.exists():
         return []
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-    return [r for r in rows if "error" not in r and settings.get(r.get("arm")) == r.get("settings")]
+    return [settle_target(r) for r in rows
+            if "error" not in r and settings.get(r.get("arm")) == r.get("settings")]
+
+
+def settle_target(r: dict) -> dict:
+    """The run's first reach of its target, read again from its curve: a log written while an
+    evaluation scoring exactly the target was missed by rounding holds a later one. Rollouts
+    to an earlier reach are not in the log (None then)."""
+    hit = first_reach(r["curve"], r["target"])
+    if hit is None or (r["reached"] and hit["step"] == r["steps_to_target"]):
+        return r
+    return {**r, "reached": True, "tokens_to_target": hit["tokens"],
+            "seconds_to_target": hit["seconds"], "steps_to_target": hit["step"],
+            "rollouts_to_target": None}
 
 
 # each method's own diagnostics, shown beside its baseline's

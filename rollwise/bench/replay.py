@@ -20,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollwise.bench.target import reaches
 from rollwise.config import load_config
 from rollwise.loop.run import train
 from rollwise.report.data import read_metrics
@@ -36,7 +37,7 @@ def to_target(rows: list[dict], target: float) -> dict:
     for r in rows:
         tokens += float(r.get("tokens/generated", 0))
         seconds += float(r.get("perf/step_seconds", 0))
-        if r.get("eval/pass1", -1.0) >= target - 1e-12:
+        if reaches(r.get("eval/pass1", -1.0), target):
             return {"tokens": tokens, "steps": r["step"], "seconds": seconds}
     return {"tokens": math.inf, "steps": None, "seconds": math.inf}
 

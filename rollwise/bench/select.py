@@ -31,6 +31,7 @@ import sys
 
 from rollwise import models
 from rollwise.bench.select_readout import report
+from rollwise.bench.target import reaches
 from rollwise.config import load_config
 from rollwise.loop.metrics import step_metrics
 from rollwise.loop.run import Run
@@ -76,7 +77,7 @@ def run_method(base: list[str], method: str, seed: int, target: float, max_steps
                 next_eval = run.totals["rollouts"] + eval_rollouts
                 ev = run.evaluate()
                 curve.append((step, run.totals["rollouts"], ev["eval/pass1"]))
-                if ev["eval/pass1"] >= target:
+                if reaches(ev["eval/pass1"], target):
                     reached = {"step": step, "rollouts": run.totals["rollouts"]}
                     break
         return {"method": method, "seed": seed, "mixed_share": mixed / scored, "reached": reached,

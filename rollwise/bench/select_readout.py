@@ -15,6 +15,8 @@ import itertools
 import re
 import statistics
 
+from rollwise.bench.target import reaches
+
 LINE = re.compile(r"^# (?P<method>\S+) seed (?P<seed>\d+): mixed (?P<mixed>[\d.]+) .* "
                   r"curve (?P<curve>\[.*\])$")
 NOT_REACHED = float("inf")
@@ -38,7 +40,7 @@ def parse_logs(paths: list[str]) -> dict[tuple[str, int], dict]:
 
 
 def rollouts_to(curve: list, target: float) -> float:
-    return next((r for _, r, p in curve if p >= target), NOT_REACHED)
+    return next((r for _, r, p in curve if reaches(p, target)), NOT_REACHED)
 
 
 def medians(runs: dict, target: float, seeds: list[int]) -> dict[str, tuple[float, int]]:

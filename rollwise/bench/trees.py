@@ -34,11 +34,11 @@ from pathlib import Path
 from rollwise.bench.jobs import (
     BENCH_RUN,
     execute,
-    first_reach,
     print_keys_and_failures,
     train_to_budget,
     warm_start_folder,
 )
+from rollwise.bench.target import first_reach
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
 # ECHO's released thresholds are for a 7B model's top-10 statistics (and H >= 3.5 nats is
