@@ -133,5 +133,3 @@ def train_to_budget(config: str | None, overrides: list[str], tokens: float, eva
                 curve.append({"step": step, "tokens": used, "seconds": seconds,
                               "pass1": run.evaluate()["eval/pass1"]})
         return {"steps": step, "tokens": used, "seconds": seconds, "curve": curve}
-
-
