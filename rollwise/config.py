@@ -348,7 +348,8 @@ class ScopeConfig(Section):
     verifier: ProcessVerifierName | None = None
     """The process verifier that finds a failed response's first wrong step and writes the
     right one: columns (the stepped tiers' scratchpads), equations (every `a + b = c` in
-    free text), or 'package.module:factory' (rollwise.stages.filter.process); None: off."""
+    free text), worked (the worked task's running totals, line by line), or
+    'package.module:factory' (rollwise.stages.filter.process); None: off."""
     per_group: int = Field(2, ge=1)
     """Failed rollouts rectified per group at most (those with the longest right prefix)."""
     max_solved: float = Field(0.5, ge=0, le=1)

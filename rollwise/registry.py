@@ -52,7 +52,8 @@ BUILTIN: dict[str, dict[str, str]] = {
         ("majority", "majority"), ("env", "env"))},
     # factory(cfg) -> ProcessVerifier: the first wrong step of a response and its correction
     "process_verifier": {"columns": "rollwise.stages.filter.process:ColumnSteps",
-                         "equations": "rollwise.stages.filter.process:EquationSteps"},
+                         "equations": "rollwise.stages.filter.process:EquationSteps",
+                         "worked": "rollwise.tasks.worked:WorkedSteps"},
     # factory(cfg) -> Selector
     "selector": {"uniform": "rollwise.stages.control.select_uniform:UniformSelector.build",
                  "thompson": "rollwise.stages.control.select_thompson:ThompsonSelector.build",

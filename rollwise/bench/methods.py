@@ -42,8 +42,9 @@ Arms and what each is paired with (a baseline is added when an arm needs it):
 
 The mssr arm asks as many prompts a step as its baseline draws rollouts a step (prompts per
 step times group size; the command's overrides come first), so both train on as many
-rollouts a step. The scope arm's process verifier is columns on the stepped tiers and
-equations otherwise; the nudge arm's contexts are configs/nudge-arithmetic.txt.
+rollouts a step. The scope arm's process verifier is worked on the worked task, columns on
+the stepped tiers and equations otherwise; the nudge arm's contexts are
+configs/nudge-arithmetic.txt.
 
 The dora arm trains nothing: per seed, it searches the held-out set from the warm start with
 --search-budget rollouts per prompt (run.search.*) twice, spread by DORA and by candidate, on
@@ -159,13 +160,15 @@ def with_baselines(arms: list[str]) -> list[str]:
 
 def arm_last(arm: str, config: str | None, overrides: list[str]) -> list[str]:
     """Overrides an arm needs after the command's: mssr's prompts a step (its baseline's
-    rollouts a step), scope's process verifier (by the task's tiers)."""
+    rollouts a step), scope's process verifier (by the task and its tiers)."""
     if arm == "mssr":
         cfg = load_config(config, overrides)
         rollouts = cfg.control.prompts_per_step * cfg.generate.group_size
         return [f"control.prompts_per_step={rollouts}"]
     if arm == "scope":
         cfg = load_config(config, overrides)
+        if cfg.task.name == "worked":
+            return ["generate.scope.verifier=worked"]
         stepped = cfg.task.name == "arith" and any(t.endswith("s") for t in cfg.task.tiers)
         return [f"generate.scope.verifier={'columns' if stepped else 'equations'}"]
     return []

@@ -31,6 +31,7 @@ import random
 import re
 
 from rollwise.config import TaskConfig
+from rollwise.stages.filter.process import ProcessVerifier, StepFix
 from rollwise.tasks.arith import wrong_facts
 from rollwise.tasks.base import Task, draw_unique
 from rollwise.tasks.extract import last_boxed
@@ -153,3 +154,46 @@ class WorkedTask(Task):
         right = next((i for i, (w, e) in enumerate(zip(written, expected)) if w != e),
                      min(len(written), len(expected)))
         return PREFIX_CEILING * right / (len(expected) + 1)
+
+
+class WorkedSteps(ProcessVerifier):
+    """SCOPE's process verifier for this task (generate.scope.verifier=worked): the step
+    lines of a response read as the scorer reads them, in order; the first that is not the
+    chain's running total at its place (or one too many) is the first wrong step, and the
+    correction is the right line. All steps right and the box wrong or missing: the box is
+    the wrong step. None exactly when the scorer gives 1 (on the scorer's first
+    MAX_SCORED_CHARS); a problem of another task (no terms) is not checked."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def first_error(self, response: str, problem: Problem) -> StepFix | None:
+        terms = (problem.data or {}).get("terms")
+        if not terms:
+            return None
+        text = response[:MAX_SCORED_CHARS]
+        expected = steps_of(terms)
+        box = f"\\boxed{{{sum(terms)}}}"
+        step, after = 0, 0  # steps read so far; where the text after the last one begins
+        pos = 0
+        for line in text.splitlines(keepends=True):
+            m = STEP_LINE.match(line)
+            if m:
+                if step == len(expected):
+                    return StepFix(step, pos, box)
+                if m.groups() != STEP_LINE.match(expected[step]).groups():
+                    return StepFix(step, pos, expected[step] + "\n")
+                step, after = step + 1, pos + len(line)
+            pos += len(line)
+        if step < len(expected):
+            return StepFix(step, after, ("\n" if _open_line(text, after) else "")
+                           + expected[step] + "\n")
+        if last_boxed(text) != str(sum(terms)):
+            return StepFix(step, after, ("\n" if _open_line(text, after) else "") + box)
+        return None
+
+
+def _open_line(text: str, at: int) -> bool:
+    """The text before `at` ends a line without its line break (the last step line ends the
+    response): a written line must start on a new one."""
+    return at > 0 and text[at - 1] not in "\r\n"

@@ -11,6 +11,8 @@ chosen by `generate.scope.verifier` (rollwise.registry, kind 'process_verifier')
   step and the answer after ':' checked against the column addition of the prompt's numbers.
 - equations: arithmetic in free text, every `a + b = c` (any chain of + - * / and x, ×, ÷
   between numbers) evaluated exactly; the step is the result, the correction the right value.
+- worked (rollwise.tasks.worked): the worked task's step lines against the chain's running
+  totals, the first wrong (or missing, or extra) line replaced by the right one.
 
 A plug-in is 'package.module:attr', a factory called with the run's Config.
 """
