@@ -173,6 +173,7 @@ class WorkedSteps(ProcessVerifier):
             return None
         text = response[:MAX_SCORED_CHARS]
         expected = steps_of(terms)
+        wanted = [STEP_LINE.match(s).groups() for s in expected]
         box = f"\\boxed{{{sum(terms)}}}"
         step, after = 0, 0  # steps read so far; where the text after the last one begins
         pos = 0
@@ -181,19 +182,14 @@ class WorkedSteps(ProcessVerifier):
             if m:
                 if step == len(expected):
                     return StepFix(step, pos, box)
-                if m.groups() != STEP_LINE.match(expected[step]).groups():
+                if m.groups() != wanted[step]:
                     return StepFix(step, pos, expected[step] + "\n")
                 step, after = step + 1, pos + len(line)
             pos += len(line)
+        # the last step line may end the response: what follows it starts on a new line
+        lead = "\n" if after and text[after - 1] not in "\r\n" else ""
         if step < len(expected):
-            return StepFix(step, after, ("\n" if _open_line(text, after) else "")
-                           + expected[step] + "\n")
+            return StepFix(step, after, lead + expected[step] + "\n")
         if last_boxed(text) != str(sum(terms)):
-            return StepFix(step, after, ("\n" if _open_line(text, after) else "") + box)
+            return StepFix(step, after, lead + box)
         return None
-
-
-def _open_line(text: str, at: int) -> bool:
-    """The text before `at` ends a line without its line break (the last step line ends the
-    response): a written line must start on a new one."""
-    return at > 0 and text[at - 1] not in "\r\n"
