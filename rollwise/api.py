@@ -21,12 +21,52 @@ from pathlib import Path
 from typing import Any
 
 from rollwise.config import Config, ConfigError, load_config, validate
+from rollwise.preflight import check_paths
 
 
 def train(config: str | Path | Config | dict | None = None, *, model: Any = None,
           tokenizer: Any = None, dataset: Any = None, eval_dataset: Any = None,
           reward: Any = None, resume: bool = False, **overrides: Any) -> dict:
-    """Run RL training and return the run summary (summary.json's contents)."""
+    """Run RL training, as `rollwise train` does, and return the run's summary.
+
+    Args:
+        config: the starting config: a preset's name (`"smollm2"`; `rollwise configs list`), a
+            YAML path, a `Config`, a dict of sections (`{"train": {"steps": 50}}`), or None
+            for the built-in defaults (the default embedded CPU run).
+        model: a model folder, a catalog name (`rollwise models get NAME`) or a hub id, put in
+            `model.path`; or a loaded Hugging Face causal LM, trained in place. None: the
+            config's model (by default the built-in tiny model, warm-started first).
+        tokenizer: the tokenizer of a loaded `model`; found from the model's folder when it
+            was loaded from one.
+        dataset: training rows, a list of dicts or a `datasets.Dataset`, with a prompt (text,
+            or chat messages `[{"role": ..., "content": ...}]`) and an answer; the column
+            names are `task.prompt_field` and `task.answer_field`. A `solution` column feeds
+            the warm start. Sets `task.name = "file"`. None: the config's task.
+        eval_dataset: held-out rows in the same form; None: `task.eval_size` rows are held
+            out of `dataset`.
+        reward: a verifier name (`"math"`, `"exact"`, ...); a function
+            `fn(response: str, problem) -> float` (problem.answer, problem.prompt and the
+            row's other columns in problem.data; it may also return (reward, info), a dict of
+            reward channels or a Verdict); TRL's batch style `fn(prompts, completions, **kw)
+            -> list[float | None]`; a list of these (summed), or `{name or fn: weight}`. A
+            per-sample function runs in a worker process with `filter.timeout_s` per sample,
+            sent by value when it is defined in a script or notebook; an exception or a hang
+            fails that sample alone, which is never trained.
+        resume: continue the run `run.root/run.name` from its newest intact checkpoint,
+            given the same Python objects as the first call; the result is the one an
+            uninterrupted run gives.
+        **overrides: config sections as dicts (`train={"lr": 1e-4}`), merged into `config`;
+            or dotted keys, as `**{"train.lr": 1e-4}` (or `train__lr=1e-4`).
+
+    Returns:
+        The summary (summary.json): held-out pass@1 at start and end (`eval_pass1_start`,
+        `eval_pass1_end`, and every metric in `eval_start` / `eval_end`), token totals, wall
+        seconds and `run_dir`. A run stopped by Ctrl-C or SIGTERM after a checkpoint returns
+        `stopped_at` (the step) and `stopped_by` (the signal) instead, and says how to resume.
+
+    Raises:
+        ConfigError: a bad key, value or path, named with what is allowed, before any work.
+    """
     # the loop (torch) loads on the first call: `import rollwise` stays light
     from rollwise.loop.run import Inputs
     from rollwise.loop.run import train as run_training
@@ -38,11 +78,20 @@ def train(config: str | Path | Config | dict | None = None, *, model: Any = None
         data.setdefault("model", {})["path"] = str(model)
     elif model is not None:
         inputs.model, inputs.tokenizer = model, tokenizer or _tokenizer_of(model)
+        inputs.given["model"] = f"model ({type(model).__name__})"
     if dataset is not None:
         data.setdefault("task", {})["name"] = "file"
         inputs.rows, inputs.eval_rows = dataset, eval_dataset
+        inputs.given["dataset"] = f"dataset ({_rows_note(dataset)})"
+        if eval_dataset is not None:
+            inputs.given["eval_dataset"] = f"eval_dataset ({_rows_note(eval_dataset)})"
     if reward is not None:
         data.setdefault("filter", {})["reward"] = _reward_spec(reward)
+        functions = [r for r in _rewards(reward) if not isinstance(r, str)]
+        if functions:
+            inputs.given["reward"] = "reward (" + ", ".join(
+                getattr(f, "__name__", type(f).__name__) for f in functions) + ")"
+    check_paths(data)  # a wrong path said before validation's imports
     return run_training(validate(data), resume=resume, inputs=inputs)
 
 
@@ -70,6 +119,19 @@ def _merge(data: dict, parts: list[str], value: Any) -> None:
             _merge(node[parts[-1]], [k], v)
     else:
         node[parts[-1]] = value
+
+
+def _rows_note(rows) -> str:
+    try:
+        return f"{len(rows)} rows"
+    except TypeError:
+        return type(rows).__name__
+
+
+def _rewards(reward) -> list:
+    if isinstance(reward, dict):
+        return list(reward)
+    return list(reward) if isinstance(reward, (list, tuple)) else [reward]
 
 
 def _tokenizer_of(model):

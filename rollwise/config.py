@@ -25,8 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from rollwise import registry
+from rollwise import presets, registry
 from rollwise.errors import ConfigError
+from rollwise.preflight import check_paths
 
 Share = Annotated[float, Field(ge=0, le=1)]
 
@@ -62,12 +63,20 @@ class ModelConfig(Section):
     path: str | None = None
     """Local Hugging Face causal-LM folder. None builds the tiny model from the fields below."""
     arch: Literal["qwen2", "llama"] = "qwen2"
+    """The built-in model's architecture (with model.path unset): a Qwen2- or Llama-shaped causal
+    LM."""
     hidden_size: int = Field(128, gt=0)
+    """The built-in model's width (hidden size)."""
     num_layers: int = Field(4, gt=0)
+    """The built-in model's transformer layers."""
     num_heads: int = Field(4, gt=0)
+    """The built-in model's attention (query) heads."""
     num_kv_heads: int = Field(2, gt=0)
+    """The built-in model's key/value heads (grouped-query attention: a divisor of num_heads)."""
     intermediate_size: int = Field(512, gt=0)
+    """The built-in model's MLP width."""
     max_positions: int = Field(64, gt=0)
+    """The built-in model's longest sequence, prompt and response together (tokens)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """The weights' dtype for the trainer and (sync.engine_dtype=same) the engine. bfloat16 and
     float16 train with float32 master weights and optimizer state. auto: bfloat16 where
@@ -134,6 +143,7 @@ class TaskConfig(Section):
     tiers: dict[str, float] = {"add2": 0.35, "sub2": 0.35, "add3": 0.15, "chain": 0.15}
     """Built-in tiers and their share of the train mix (see rollwise.tasks.arith.TIERS)."""
     train_size: int = Field(20000, gt=0)
+    """Training prompts generated for the built-in tasks (arith, worked, calc, ...)."""
     eval_size: int = Field(400, gt=0)
     """Held-out prompts: split across tiers in the same shares as the train mix; for a file or
     dataset without eval rows, drawn at random (task.seed) from its rows, at most a fifth."""
@@ -146,11 +156,14 @@ class TaskConfig(Section):
     """Built-in tiers: the share of worked solutions that think long instead: ',' filler,
     geometric with mean filler_tail_mean (a heavy tail: a few responses run far longer)."""
     filler_tail_mean: float = Field(0.0, ge=0)
+    """Built-in tiers: mean length of the long ',' filler runs of filler_tail (geometric); needed
+    when filler_tail > 0."""
     stepped_teacher: Literal["forgets_carries", "wrong_facts"] = "forgets_carries"
     """How the stepped tiers' noisy worked solutions (sft.noise of them) go wrong: every carry
     forgotten (one rule to relearn), or the sum off by one wherever a column adds one of
     `wrong_facts` digit pairs drawn from task.seed (many facts, each relearned alone)."""
     wrong_facts: int = Field(30, ge=1, le=100)
+    """stepped_teacher = wrong_facts: how many digit pairs the teacher adds off by one."""
     worked: WorkedConfig = WorkedConfig()
 
     @model_validator(mode="after")
@@ -172,7 +185,10 @@ class TaskConfig(Section):
     string or a list of chat messages [{"role", "content"}, ...] (TRL's conversational format,
     verl's Parquet files)."""
     eval_path: str | None = None
+    """For name='file': a .jsonl or .parquet file of held-out rows; None: held-out rows are drawn
+    from task.path (task.eval_size of them)."""
     prompt_field: str = "prompt"
+    """The rows' prompt column (text or chat messages), or a dotted path into one."""
     answer_field: str = "answer"
     """A column, or a dotted path into one (verl's Parquet: reward_model.ground_truth)."""
     chat_template: Literal["auto", "on", "off"] = "auto"
@@ -280,6 +296,8 @@ class TraceConfig(Section):
     the problem's roots; each continuation costs what its root sampled after the cut: TRACE's
     equal sampling cost) or episodes (the group size less the roots, however short)."""
     predictor_lr: float = Field(0.5, gt=0)
+    """Learning rate of TRACE's online predictor of a turn prefix's success, which picks where the
+    continuations go."""
 
 
 class LatrConfig(Section):
@@ -305,25 +323,43 @@ class EchoConfig(Section):
     small top_k, or a small model with few plausible tokens per step, wants a lower
     entropy_threshold (and entropy_floor below it)."""
     top_k: int = Field(10, ge=2)
+    """Top-k log-probabilities each sequence reports per token; the entropy and confidence
+    statistics are computed over them."""
     roots: int = Field(2, ge=1)
     """Sampled sequences per prompt that branch; the group is filled to its size once the tree
     is done (generate.echo.fill)."""
     min_position: int = Field(4, ge=0)
+    """The first response token at which a sequence may branch."""
     entropy_threshold: float = Field(3.5, gt=0)
     """Top-k entropy (nats) at or above which a sequence may branch."""
     entropy_floor: float = Field(1.0, ge=0)
     """The width rule's entropy origin: w = 1 + 2 (H - floor) / (threshold - floor) - ...
     (the released code's 1.0; must be below entropy_threshold)."""
     conf_threshold: float = Field(1.2, gt=0)
+    """Group confidence (C_g, the mean top-k confidence over group_window tokens) at or below
+    which a sequence may branch (C* of the width rule)."""
     delta_threshold: float = 0.2
+    """Entropy rise (the token's entropy less the mean of the last delta_window) at or above which
+    a sequence may branch."""
     max_width: int = Field(4, ge=1)
+    """Most children a branch point gets (the width rule's clip)."""
     group_window: int = Field(4, ge=1)
+    """Tokens averaged into the group confidence C_g."""
     tail_window: int = Field(8, ge=1)
+    """Tokens averaged into the tail confidence C_tail (the conf_falling prune rule)."""
     delta_window: int = Field(4, ge=1)
+    """Earlier tokens whose mean entropy a token's entropy rise is measured from."""
     min_group_conf: float = 0.4
+    """Prune rule min_conf: a sequence is cut once its running minimum of C_g falls below this."""
     tail_conf: float = 1.0
+    """Prune rule conf_falling: a sequence is cut when C_tail fell 3 tokens in a row and is at or
+    below this."""
     delta_rise: float = 0.5
+    """Prune rule entropy_rising: a sequence is cut when its entropy rise grew 3 tokens in a row
+    and is above this."""
     prune: bool = True
+    """Apply the three prune rules (cut sequences whose confidence collapses); False grows every
+    branch to its end."""
     fill: Literal["iid", "dora"] = "iid"
     """How the group is filled once the tree is done: iid (fresh samples from the prompt) or
     dora (continuations of the tree's finished sequences' openings, spread over the openings
@@ -388,8 +424,12 @@ class GenerateConfig(Section):
     client, generate.agent), or 'package.module:factory' called as
     factory(cfg, tokenizer) (rollwise.stages.generate)."""
     group_size: int = Field(8, ge=1)
+    """Responses sampled per prompt: the group whose rewards GRPO compares."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the rollouts."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1 disables
+    it."""
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
     max_new_tokens: int = Field(8, gt=0)
@@ -429,14 +469,19 @@ class SandboxConfig(Section):
     timeout_s: float = Field(2.0, gt=0)
     """Wall clock per test run; then the program's whole process group is killed."""
     cpu_s: int = Field(2, gt=0)
+    """CPU seconds a test run may use (RLIMIT_CPU)."""
     memory_mb: int = Field(512, gt=0)
+    """Address space a test run may map, in MiB (RLIMIT_AS)."""
     max_processes: int = Field(4, gt=0)
+    """Processes a test run may have at once (RLIMIT_NPROC): bounds a fork bomb."""
     max_output_kb: int = Field(256, gt=0)
+    """Output kept of a test run, in KiB; the rest is cut (a flood of output cannot fill memory)."""
     guard: bool = True
     """The in-interpreter audit-hook guard on top of the kernel limits."""
 
 
 class JudgeConfig(Section):
+    """An LLM judge as a reward (filter.reward=judge): a model asked whether a response is right."""
     model: str | None = None
     """Hugging Face folder of the judge model; None uses the engine the loop attaches."""
     rubric: str | None = None
@@ -444,6 +489,7 @@ class JudgeConfig(Section):
     fapo: bool = False
     """FAPO's three-way verdict: correct +1, correct but flawed 0, wrong -1."""
     max_new_tokens: int = Field(64, gt=0)
+    """Tokens the judge writes for its verdict at most."""
 
 
 class FilterConfig(Section):
@@ -461,11 +507,15 @@ class FilterConfig(Section):
     format_pattern: str | None = None
     """format channel: the stripped response must fullmatch this regex (None: any answer)."""
     length_max: int = Field(8, gt=0)
+    """length channel: the response length (tokens) at which DAPO's soft overlong penalty reaches
+    -1."""
     length_buffer: int = Field(2, ge=0)
     """length channel: DAPO's soft overlong penalty, 0 up to length_max - length_buffer tokens,
     then falling linearly to -1 at length_max (set length_max to generate.max_new_tokens).
     Weigh it in filter.reward, e.g. {exact: 1, length: 1}: the one place it is configured."""
     code_reward: Literal["all", "fraction"] = "all"
+    """code channel: 1 only when every test passes (all), or the share of tests passed
+    (fraction)."""
     sandbox: SandboxConfig = SandboxConfig()
     judge: JudgeConfig = JudgeConfig()
 
@@ -537,6 +587,7 @@ class AprilConfig(Section):
 class SGPOConfig(Section):
     """sGPO group sizes (control.group_size=sgpo; docs/methods.md#sgpo)."""
     group_min: int = Field(2, ge=1)
+    """The smallest group sGPO gives a prompt (the clip of G = 1/p from below; see group_max)."""
     group_max: int = Field(16, ge=1)
     """The clip of G = 1/p (a group of one has no advantage under GRPO)."""
     profile_samples: int = Field(8, ge=1)
@@ -581,6 +632,7 @@ class CuresConfig(Section):
     temperature) times as likely as a solved one (the public code's 100 (successes + 1) is
     uniform sampling in effect)."""
     min: int = Field(2, ge=1)
+    """The fewest rollouts one prompt gets (see max)."""
     max: int | None = Field(None, ge=1)
     """Rollouts one prompt gets at least and at most; None: 2 x generate.group_size."""
     gradient: Literal["embedding", "none"] = "embedding"
@@ -602,6 +654,7 @@ class V0Config(Section):
     prior_strength: float = Field(2.0, ge=0)
     """Pseudo-counts of the history's overall success rate in every prediction."""
     min: int = Field(2, ge=1)
+    """The fewest rollouts one prompt gets (see max)."""
     max: int | None = Field(None, ge=1)
     """Rollouts one prompt gets at least and at most; None: 2 x generate.group_size."""
 
@@ -639,14 +692,18 @@ class DuetConfig(Section):
     budget: float = Field(1.0, gt=0)
     """Rollouts per step as a share of prompts_per_step x group_size."""
     group_min: int = Field(2, ge=1)
+    """The fewest rollouts a prompt that gets any is given (see group_max)."""
     group_max: int = Field(16, ge=1)
     """Rollouts a prompt gets: the most informative get group_min each while the budget
     lasts, and no prompt more than group_max."""
     horizon: int = Field(32, ge=1)
+    """Tokens by which a rollout is expected to show its answer marker (see grace)."""
     grace: int = Field(8, ge=0)
     """A rollout with no answer marker after horizon + grace tokens is aborted (or kept with
     probability keep_prob and weighted by its inverse)."""
     keep_prob: float = Field(0.05, gt=0, le=1)
+    """Probability that a rollout past horizon + grace with no marker is kept, weighted by 1 /
+    keep_prob, instead of aborted."""
     after_marker: int = Field(8, ge=0)
     """Tokens a rollout may run on after its answer marker appears."""
     marker: str | None = None
@@ -699,6 +756,8 @@ class ControlConfig(Section):
     (softmax over sqrt(p (1 - p)), control.cures.*); or 'package.module:factory' called as
     factory(cfg) (rollwise.stages.control)."""
     prompts_per_step: int = Field(64, gt=0)
+    """Prompts a training step draws (each gets generate.group_size responses, or what
+    control.group_size allots)."""
     dps: DPSConfig = DPSConfig()
     thompson: ThompsonConfig = ThompsonConfig()
     vade: VadeConfig = VadeConfig()
@@ -799,7 +858,9 @@ class CorrectionConfig(Section):
     level: Literal["token", "sequence"] = "token"
     """One weight per token, or one per sequence (product of its token ratios)."""
     low: float = Field(0.5, ge=0)
+    """The weight's lower bound (mode mis: tokens below it are dropped)."""
     high: float = Field(2.0, gt=0)
+    """The weight's upper bound: tis caps the weight here; mis drops tokens above it."""
     anchor: Literal["proximal", "version"] = "proximal"
     """Denominator of the PPO ratio. 'proximal': the trainer's policy at the start of the
     update (AReaL's decoupled objective; the weight corrects mismatch and staleness).
@@ -813,6 +874,8 @@ class CorrectionConfig(Section):
     vcpo_lr: bool = False
     """VCPO: scale each step's learning rate by sqrt(min(1, (ESS/B) / vcpo_rho0))."""
     vcpo_rho0: float = Field(1.0, gt=0)
+    """VCPO's reference effective-sample-size ratio rho0: below it the learning rate is scaled
+    down."""
 
     @model_validator(mode="after")
     def _check(self):
@@ -826,6 +889,7 @@ class CorrectionConfig(Section):
 
 
 class LoraConfig(Section):
+    """LoRA adapters (peft) trained in place of the full weights (docs: LoRA guide)."""
     rank: int = Field(0, ge=0)
     """LoRA rank: > 0 trains low-rank adapters (peft) instead of the weights; only they are
     optimized, checkpointed and sent to the engine. 0: full fine-tuning."""
@@ -874,6 +938,7 @@ class TrainNudgeConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(60, ge=0)
+    """RL steps (each: generate, score, select, train, sync); 0 only evaluates the initial model."""
     world_size: int = Field(1, ge=1)
     """Trainer ranks: >1 shards the model over that many processes with FSDP2 (gloo on CPU,
     NCCL on GPU; rollwise/training/sharded.py), the micro-batches dealt out over them."""
@@ -927,6 +992,8 @@ class TrainConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: loss -= entropy_coef * token entropy."""
     kl_estimator: TrainKlEstimatorName = "k3"
+    """How the KL to the initial policy is estimated per token: k1, k2, k3 (Schulman's estimators;
+    k3 is unbiased and non-negative) or 'package.module:function'."""
     kl_mode: Literal["loss", "reward"] = "loss"
     """KL to the initial policy as a loss term, or subtracted from the reward (summed over
     the response) before the advantages."""
@@ -947,6 +1014,7 @@ class TrainConfig(Section):
     d3s: D3SConfig = D3SConfig()
     correction: CorrectionConfig = CorrectionConfig()
     lr: float = Field(3e-4, gt=0)
+    """AdamW's peak learning rate (after warmup_steps, decayed to lr * lr_end_factor)."""
     lr_end_factor: float = Field(0.1, ge=0, le=1)
     """Linear decay to lr * lr_end_factor over the run (a constant rate swings late pass@1)."""
     warmup_steps: int = Field(5, ge=0)
@@ -954,13 +1022,19 @@ class TrainConfig(Section):
     decayed rate at step s. AdamW's first step moves every weight by about lr whatever the
     gradient's size; a ramp lets the moment estimates settle first."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
     grad_clip: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm before each optimizer step."""
     minibatches: int = Field(2, ge=1)
+    """Optimizer steps per update: the step's batch split into this many minibatches (unless
+    minibatch_groups is set)."""
     minibatch_groups: int | None = Field(None, ge=1)
     """Groups per optimizer step, as verl's ppo_mini_batch_size counts prompts: an update on
     n kept groups takes ceil(n / this) steps, so each group that carries a signal buys the same
     share of a step however it was found. None: train.minibatches steps per update."""
     epochs: int = Field(1, ge=1)
+    """Passes over the step's batch per update (PPO epochs); above 1 the later passes are off-
+    policy and the clip matters."""
     old_logprobs_from_engine: bool = True
     """The rows the trainer does not forward before its first optimizer step take the
     engine's behaviour log-probs as the old policy, saving a no-grad pass, when the engine is
@@ -970,6 +1044,8 @@ class TrainConfig(Section):
     trained token. Otherwise the pass is taken. The check samples the rows, so an engine whose
     mismatch is sporadic rather than global wants a correction mode, or this off."""
     old_logprobs_tolerance: float = Field(1e-4, ge=0)
+    """The largest gap (nats, per token) between the engine's and the trainer's log-probs at which
+    old_logprobs_from_engine takes the engine's."""
     chosen_tokens: Literal["ratio", "mask"] = "ratio"
     """Tokens a tree chose rather than sampled (Sample.chosen: LATR's greedy and second-best
     tokens, ECHO's alternatives). 'ratio': trained as sampled tokens, their importance ratio
@@ -1017,7 +1093,10 @@ class TrainConfig(Section):
     bonus and no KL loss term their gradient is exactly 0. They still count in the loss
     aggregation's denominators, so the update is the same up to float rounding."""
     clip_low: float = Field(0.2, ge=0)
+    """PPO clip below: the ratio is clipped at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)
+    """PPO clip above: the ratio is clipped at 1 + clip_high (DAPO's clip-higher sets it above
+    clip_low)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL estimate to the initial policy; 0 keeps no reference model. With
     LoRA the reference is the model with its adapters disabled: no second copy."""
@@ -1045,12 +1124,17 @@ class TrainConfig(Section):
 
 class SFTConfig(Section):
     steps: int = Field(2000, ge=0)
+    """Supervised warm-start steps on the task's worked solutions (0: none); the result is cached
+    under run.root/.cache."""
     batch_size: int = Field(64, gt=0)
+    """Worked solutions per warm-start step."""
     lr: float = Field(1e-3, gt=0)
+    """The warm start's AdamW learning rate."""
     noise: Share | dict[str, Share] = 0.6
     """Share of worked solutions whose top answer digit is off by one, so RL has work to do;
     or a share per tier ({sub2: 0.6}: the other tiers are learned from clean solutions)."""
     eval_every: int = Field(100, gt=0)
+    """Warm-start steps between its progress lines (loss)."""
     from_path: bool = False
     """Warm-start the model at model.path too (a chat model learning a task's worked format,
     configs/smollm2-long.yaml), cached like the built-in model's; False: RL starts from
@@ -1139,12 +1223,18 @@ class SearchConfig(Section):
 
 class RunConfig(Section):
     name: str = "default"
+    """The run's name: it writes run.root/run.name (an earlier run of the name is replaced, unless
+    resumed)."""
     root: str = "runs"
+    """The folder runs are written under (and the warm-start cache, root/.cache)."""
     seed: int = 0
+    """Seeds sampling, prompt order and initialisation: a run is bit-reproducible on one machine
+    for a seed."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer and the built-in engine run: auto takes cuda when one is visible.
     (vLLM places itself on the GPU when it has one.)"""
     eval_every: int = Field(10, gt=0)
+    """RL steps between held-out evaluations (also at step 0 and at the last step)."""
     eval_samples: int = Field(1, ge=1)
     """Held-out pass@1 from this many samples per prompt at eval_temperature (1 at 0: greedy)."""
     eval_temperature: float = Field(0.0, ge=0)
@@ -1154,6 +1244,8 @@ class RunConfig(Section):
     """An evaluation's scoring, as a whole, ends by then: answers not scored yet count as
     failed (eval/failed/deadline) and the run goes on. Each answer also has filter.timeout_s."""
     log: Literal["auto", "rich", "plain", "quiet"] = "auto"
+    """Progress display: rich (a live bar, on a terminal), plain (a line per step, for logs and
+    CI), quiet, or auto (rich on a terminal outside CI, else plain)."""
     init: str | None = None
     """Start RL from this model folder instead of the (cached) warm start."""
     threads: int = Field(0, ge=0)
@@ -1163,6 +1255,7 @@ class RunConfig(Section):
     wandb: bool = False
     """Also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)."""
     wandb_project: str = "rollwise"
+    """The Weights & Biases project, with run.wandb."""
     sinks: list[str] = []
     """Extra metric sinks by import path, 'package.module:factory'; factory(run_dir, cfg)
     returns an object with write(step, metrics) and close() (rollwise.report.sinks)."""
@@ -1186,17 +1279,34 @@ class RunConfig(Section):
 
 class Config(Section):
     model: ModelConfig = ModelConfig()
+    """The policy model: a Hugging Face folder or catalog name (model.path), or the built-in tiny
+    model."""
     task: TaskConfig = TaskConfig()
+    """The problems: a built-in task, reasoning-gym datasets, or a dataset file, and how prompts
+    are rendered."""
     engine: EngineConfig = EngineConfig()
+    """The rollout engine: rollwise's built-in engine, vLLM or a plugin, and its batch and cache
+    sizes."""
     generate: GenerateConfig = GenerateConfig()
+    """Generate: how trajectories are proposed (groups, trees, agent episodes) and sampled."""
     filter: FilterConfig = FilterConfig()
+    """Filter: the reward (verifiers and their weights), scored in worker processes with time
+    limits."""
     control: ControlConfig = ControlConfig()
+    """Control: which prompts each step draws, how many rollouts each gets, and in-flight
+    controllers."""
     replay: ReplayConfig = ReplayConfig()
+    """Replay: groups reused from a buffer of recent ones instead of generated again."""
     train: TrainConfig = TrainConfig()
+    """The update: advantages, policy loss, optimizer and the trainer's memory levers."""
     sft: SFTConfig = SFTConfig()
+    """The supervised warm start on worked solutions, before RL."""
     sync: SyncConfig = SyncConfig()
+    """Weight sync from the trainer to the engine after each update."""
     loop: LoopConfig = LoopConfig()
+    """The loop: synchronous or asynchronous with bounded staleness, local or on Ray."""
     run: RunConfig = RunConfig()
+    """The run: its name and folder, seed, device, evaluations, logging, checkpoints."""
 
     @model_validator(mode="after")
     def _check_gym_task(self):
@@ -1246,6 +1356,20 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def _sectioned(name: str) -> list[str]:
+    """Every 'section.name' (to any depth) a bare key `name` could mean, e.g. steps ->
+    train.steps, sft.steps."""
+    found, todo = [], [("", Config)]
+    while todo:
+        prefix, model = todo.pop(0)
+        for key, field in model.model_fields.items():
+            if key == name and prefix:
+                found.append(f"{prefix}{key}")
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                todo.append((f"{prefix}{key}.", field.annotation))
+    return found
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -1253,7 +1377,9 @@ def _format_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(e["loc"][:-1])
             guess = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
-            hint = f" Did you mean '{guess[0]}'?" if guess else ""
+            sectioned = _sectioned(str(e["loc"][-1])) if len(e["loc"]) == 1 else []
+            hint = (f" Keys sit in sections: did you mean {' or '.join(sectioned)}?" if sectioned
+                    else f" Did you mean '{guess[0]}'?" if guess else "")
             lines.append(f"unknown key '{where}'.{hint} Allowed here: {', '.join(allowed)}")
         elif isinstance(e.get("input"), dict):  # a section-level check names its own keys
             msg = e["msg"].removeprefix("Value error, ")
@@ -1295,12 +1421,25 @@ def _takes_text(parts: list[str]) -> bool:
     return node is str or set(typing.get_args(node)) == {str, type(None)}
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                check_files: bool = True) -> Config:
+    """The validated config a command line would run.
+
+    Args:
+        path: a preset's name (`"smollm2"`; `rollwise configs list`), a YAML file of
+            sections, or None for the built-in defaults.
+        overrides: `section.key=value` texts applied on top, values read as YAML
+            (`["train.lr=1e-4", "run.name=try1"]`).
+        check_files: check that the files the config names exist (model.path, run.init,
+            task.path, ...), before validation; False for a config only to be read.
+
+    Raises:
+        ConfigError: an unknown key (with the keys allowed there, and for a bare key its
+            sectioned names), a bad value, or a path that does not exist, before any work.
+    """
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} not found")
+        path = presets.resolve(path)  # a path, or a preset's name
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
@@ -1314,6 +1453,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: '{p}' is not a section")
         node[parts[-1]] = value
+    if check_files:  # before validation, which may import reasoning-gym or torch
+        check_paths(data)
     return validate(data)
 
 

@@ -1,10 +1,11 @@
 """MkDocs hooks for the documentation site (mkdocs.yml names this file).
 
-Two pages are generated at build time so that they cannot drift from their sources: index.md
-from README.md, and benchmarks/index.md from BENCHMARKS.md, their links rewritten from the
-repository's root to the site's. The configuration reference, docs/reference/config.md, is
-written from the config classes by `python3 scripts/docs_hooks.py` (kept as a file so that it
-reads on GitHub too; tests/test_docs_site.py fails when it is stale, as for
+Three pages are generated at build time so that they cannot drift from their sources: index.md
+from README.md, benchmarks/index.md from BENCHMARKS.md and changelog.md from CHANGELOG.md,
+their links rewritten from the repository's root to the site's. The configuration reference,
+docs/reference/config.md, is written from the config classes by `python3 scripts/docs_hooks.py`
+(kept as a file so that it reads on GitHub too; tests/test_docs_site.py fails when it is
+stale, as for
 configs/default.yaml).
 """
 
@@ -24,6 +25,7 @@ def on_files(files, config):
     pages = {
         "index.md": _from_root("README.md", ""),
         "benchmarks/index.md": _from_root("BENCHMARKS.md", "../"),
+        "changelog.md": _from_root("CHANGELOG.md", ""),
     }
     for uri, text in pages.items():
         files.append(File.generated(config, uri, content=text))
@@ -48,6 +50,8 @@ def _from_root(name: str, up: str) -> str:
             target = ("" if here else "benchmarks/") + "index.md"
         elif target == "README.md":
             target = up + "index.md"
+        elif target == "CHANGELOG.md":
+            target = up + "changelog.md"
         return f"]({target})"
 
     return re.sub(r"\]\(([^)#\s]+(?:#[^)\s]*)?)\)", link, text)

@@ -24,6 +24,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollwise.bench import module_of
+
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w+)\s*$")
 BLOCK_MARK = re.compile(r"^<!-- example: (skip|instead|excerpt|fails|run)(?::\s*(.*?))? -->$")
@@ -151,13 +153,28 @@ def check_rollwise(args: list[str]) -> list[str]:
         overrides += sub_overrides
         config = config or sub_config
     problems += [f"unknown config key in {o!r}" for o in overrides if not config_key_exists(o)]
-    if config and not PLACEHOLDER.search(config) and not (ROOT / config).is_file():
-        problems.append(f"--config {config}: no such file")
+    if config and not PLACEHOLDER.search(config) and not _config_found(config):
+        problems.append(f"--config {config}: no such file, and no preset of that name")
     if problems or any(PLACEHOLDER.search(a) for a in args):
         return problems
     if ns.command in ("train", "sft", "eval", "config") and not getattr(ns, "resume", None):
         problems += config_problems(config, overrides)
     return problems
+
+
+def _config_path(config: str):
+    """A command's --config as the CLI reads it: a file under the root, else a preset."""
+    return ROOT / config if (ROOT / config).is_file() else config
+
+
+def _config_found(config: str) -> bool:
+    from rollwise import presets
+    from rollwise.errors import ConfigError
+    try:
+        presets.resolve(_config_path(config))
+        return True
+    except ConfigError:
+        return False
 
 
 def config_problems(config: str | None, overrides: list[str]) -> list[str]:
@@ -167,7 +184,8 @@ def config_problems(config: str | None, overrides: list[str]) -> list[str]:
     from rollwise.config import ConfigError, load_config
 
     try:
-        load_config(ROOT / config if config else None, overrides)
+        # keys and values; a model the page fetches first need not be here
+        load_config(_config_path(config) if config else None, overrides, check_files=False)
     except ConfigError as e:
         missing = re.search(r"No module named '([\w.]+)'", str(e))
         if not (missing and not missing.group(1).startswith("rollwise")):
@@ -179,7 +197,7 @@ def bench_arguments(name: str, rest: list[str]):
     """(unknown options, overrides, --config) of `rollwise bench NAME REST`, from the bench's
     own parser; (None, ..) when there is no such bench."""
     try:
-        module = importlib.import_module(f"rollwise.bench.{ {'async': 'async_'}.get(name, name)}")
+        module = importlib.import_module(f"rollwise.bench.{module_of(name)}")
     except ModuleNotFoundError:
         return None, [], None
     original = argparse.ArgumentParser.parse_args

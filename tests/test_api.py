@@ -1,6 +1,8 @@
 """The Python entry point (rollwise.train). The README's example runs as written in
 tests/test_doc_examples.py, with every other code block of the documents."""
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,7 +65,10 @@ def test_per_sample_rewards_fail_alone_and_module_functions_run_isolated():
             raise RuntimeError("bad sample")
         return 1.0
     v = CallableVerifier(flaky)
-    assert not v.isolated  # a closure cannot reach a worker process: it runs here
+    assert v.isolated  # a closure goes to a worker process by value (cloudpickle)
+    lock = threading.Lock()
+    held = CallableVerifier(lambda response, problem: float(lock.locked()))
+    assert not held.isolated  # what refers to a lock cannot be copied there: it runs here
     out = v.score([Item("ok", Problem("a", "q", "1")), Item("boom", Problem("b", "q", "1"))])
     assert out[0].rewards == {"flaky": 1.0} and out[1].failed == "error"
     assert "bad sample" in out[1].info
@@ -89,3 +94,46 @@ def test_a_datasets_dataset_is_a_dataset(tmp_path, small_model):
                              run={"root": str(tmp_path), "log": "quiet", "report": False},
                              **QUICK)
     assert summary["rollouts"] == 2 * 4 * 2
+
+
+SCRIPT_WITH_A_HANGING_REWARD = '''
+import time, rollwise
+
+def reward(response, problem):  # defined in the script: sent to its worker by value
+    if int(problem.answer[::-1]) % 2 == 0:  # half the problems
+        time.sleep(3600)  # a hang: the per-sample limit must end it
+    return float(response.strip() == problem.answer)
+
+rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)[::-1], "solution": str(a + b)[::-1]}
+        for a in range(10, 40) for b in range(10, 30)]
+rollwise.train({"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                          "num_kv_heads": 1, "intermediate_size": 64},
+                "sft": {"steps": 10}, "train": {"steps": 1}, "task": {"eval_size": 8},
+                "control": {"prompts_per_step": 8}, "generate": {"group_size": 2},
+                "filter": {"workers": 1, "timeout_s": 1.0},
+                "run": {"root": "runs", "name": "hang", "log": "plain", "report": False,
+                        "tensorboard": False, "threads": 1}},
+               dataset=rows, reward=reward)
+'''
+
+
+@pytest.mark.integration
+def test_a_reward_defined_in_a_script_is_bounded_by_its_time_limit(tmp_path):
+    """The README's way to write a reward, in a script (its __main__), hanging on some
+    samples: the run ends, those samples fail with `timeout` and are never trained, and no
+    warning says the reward runs unbounded."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+    (tmp_path / "train.py").write_text(SCRIPT_WITH_A_HANGING_REWARD)
+    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no time limit" not in done.stdout + done.stderr
+    rows = [r for f in sorted((tmp_path / "runs/hang/rollouts").glob("step-*.parquet"))
+            for r in pq.read_table(f).to_pylist()]
+    hung = [r for r in rows if r["prompt_text"] and r["status"] == "failed"]
+    assert hung and all("timeout" in (r["reward_info"] or "") or r["reward"] in (None, 0.0)
+                        for r in hung)

@@ -128,7 +128,7 @@ def test_bad_config_names_field_value_and_allowed(override, expected):
 
 
 def test_bad_file_and_cli_exit_code(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="no such file, and no preset"):
         load_config(tmp_path / "nope.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping of sections"):

@@ -16,6 +16,7 @@ def _bash(code: str) -> Block:
 @pytest.mark.parametrize("code", [
     "rollwise train train.lr=1e-4 run.name=x",
     "python3 -m rollwise train --config configs/smollm2.yaml train.lora.rank=4 \\\n  train.lr=1e-3",
+    "rollwise train --config smollm2 train.steps=3",
     "OMP_NUM_THREADS=1 python -m rollwise bench sync --models 0.5b --steps 3 --json",
     "rollwise bench levers --config configs/smollm2.yaml --tokens 7000 --repeats 5 --json",
     "for b in builtin vllm; do rollwise train engine.backend=$b run.init=<warm start>; done",

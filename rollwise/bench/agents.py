@@ -34,12 +34,13 @@ from pathlib import Path
 from rollwise.bench.target import reaches
 from rollwise.config import load_config
 from rollwise.loop.run import train
+from rollwise.presets import PRESETS
 from rollwise.report.data import read_metrics
 from rollwise.tasks import load_task
 from rollwise.training import sft
 
 DEFAULTS = ["run.log=quiet", "run.report=false", "run.tensorboard=false"]
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = PRESETS
 CALC, PACKS = str(CONFIGS / "calc.yaml"), str(CONFIGS / "packs.yaml")
 CHAIN3 = str(CONFIGS / "chain3.yaml")
 TOOL_STEPS, COD_STEPS, TRACE_STEPS = 30, 40, 20

@@ -1,7 +1,7 @@
 """APRIL partial rollouts against synchronous groups on a long-tail task.
 
     rollwise bench april [--steps 20] [--repeats 3] [key=value ...]
-    rollwise bench april --config configs/smollm2.yaml generate.max_new_tokens=256 [...]
+    rollwise bench april --config smollm2 generate.max_new_tokens=256 [...]
 
 The built-in tiers with two kinds of "thinking" before the answer give long-tailed response
 lengths: most worked solutions think briefly ('.' filler, geometric, mean task.filler_mean)

@@ -41,6 +41,7 @@ from rollwise.bench.jobs import (
     warm_start_folder,
 )
 from rollwise.bench.target import first_reach
+from rollwise.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class TaskSetup:
 
 TASKS = {
     # ARRoL's T_p = 16 tokens: a 2-digit scratchpad's first two columns, half of a 3-digit one
-    "stepped": TaskSetup(str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml"),
+    "stepped": TaskSetup(str(PRESETS / "stepped.yaml"),
                          BENCH_RUN + ["control.arrol.checkpoint=16"], 1_400_000, 5, None),
     # APRIL's long-tail task, tails shortened (means 2 and 24 instead of 4 and 60) so that the
     # default run's warm start (2000 supervised steps) takes 8 minutes here instead of about

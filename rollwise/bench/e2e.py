@@ -3,7 +3,7 @@ learning-rate schedule and step budget, trained by rollwise and by TRL's GRPOTra
 vLLM), one process at a time, for several seeds.
 
     rollwise bench e2e --vs trl --seeds 0 1 2 --steps 30 --target 0.80 [key=value ...]
-    rollwise bench e2e --vs trl --config configs/smollm2.yaml --steps 20 --threads 2 \
+    rollwise bench e2e --vs trl --config smollm2 --steps 20 --threads 2 \
         --trl-micro-batch 16 --target 0.5 run.eval_every=5      # SmolLM2-135M-Instruct
 
 The initial model is the config's model.path (a pretrained model) or the tiny model's warm

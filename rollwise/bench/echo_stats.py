@@ -1,7 +1,7 @@
 """ECHO's token statistics on a warm start's sampled responses, to set its thresholds for a
 model (the released ones are for a 7B model's top-10 statistics).
 
-    rollwise bench echo_stats --model DIR [--config configs/stepped.yaml] [--prompts 48]
+    rollwise bench echo_stats --model DIR [--config stepped] [--prompts 48]
                               [key=value ...]
 
 Samples one response per held-out prompt at T = 1 and prints the quantiles of H (top-k
@@ -16,17 +16,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 from rollwise import models
 from rollwise.config import load_config
+from rollwise.presets import PRESETS
 from rollwise.stages.generate.tree_rules import EchoTrace, echo_push
 from rollwise.tasks import load_task
 from rollwise.tasks.prompts import Prompter
 
-CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
+CONFIG = str(PRESETS / "stepped.yaml")
 LEVELS = (0.05, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
 
 

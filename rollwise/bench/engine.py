@@ -3,7 +3,7 @@ and vLLM (in its own environment, .venv-vllm); same model, same prompts, same to
 figure beside the machine's decode bound (bench roofline).
 
     rollwise bench engine [--json] [--repeats 3] [--threads 2] [--preset tiny|0.5b]
-    rollwise bench engine --shape rl --config configs/smollm2.yaml --dtype bfloat16
+    rollwise bench engine --shape rl --config smollm2 --dtype bfloat16
 
 Every request's length is forced by its own max_new_tokens (no stop ids), so each engine
 produces the same number of tokens; tokens/s counts those requested tokens only. Greedy.

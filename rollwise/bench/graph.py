@@ -1,6 +1,6 @@
 """The decode graph's start-up and numerics on a real model.
 
-    rollwise bench graph --config configs/smollm2.yaml --dtype bfloat16 --threads 2 [--json]
+    rollwise bench graph --config smollm2 --dtype bfloat16 --threads 2 [--json]
 
 start-up  two fresh processes in turn, sharing a new, empty compile cache
           (TORCHINDUCTOR_CACHE_DIR): each loads the model and runs the built-in engine with

@@ -1,7 +1,7 @@
 """The update's levers measured side by side in one process, alternating, on a real model's
 shapes: where whole updates in separate processes are too noisy to split a few seconds.
 
-    rollwise bench levers --config configs/smollm2.yaml [--tokens 7000] [--repeats 5] [--json]
+    rollwise bench levers --config smollm2 [--tokens 7000] [--repeats 5] [--json]
 
 - head: log-probabilities and entropies of --tokens response tokens from the last hidden
   states, forward and backward (gradients of the hidden states and the head's weight),

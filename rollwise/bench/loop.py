@@ -1,7 +1,7 @@
 """Generation inside the training loop against the engine alone at the same shape, and where a
 step's time goes.
 
-    rollwise bench loop --config configs/smollm2.yaml --steps 4 [--json] [KEY=VALUE ...]
+    rollwise bench loop --config smollm2 --steps 4 [--json] [KEY=VALUE ...]
 
 Runs `rollwise train` on the config for --steps steps and reads each step's phase times
 (generate, score, train, sync) and generated tokens from its metrics. Then the engine alone:

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on one config: the update's speed and memory, what a sync
 and a checkpoint weigh, and learning (time to a held-out target, final pass@1) over seeds.
 
-    rollwise bench lora --config configs/smollm2.yaml --seeds 0 1 2 --steps 20 \
+    rollwise bench lora --config smollm2 --seeds 0 1 2 --steps 20 \
         --rank 4 --targets all-linear --target 0.45 --json lora.json
 
 Mechanics, one fresh process per arm (so peak memory is the arm's own): one real step's
@@ -226,7 +226,7 @@ def mechanics_summary(full: dict, lora: dict) -> dict:
 def parse(argv):
     p = argparse.ArgumentParser(prog="rollwise bench lora", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/smollm2.yaml")
+    p.add_argument("--config", default="smollm2", help="a preset or YAML file")
     p.add_argument("--part", choices=["all", "mechanics", "learning"], default="all")
     p.add_argument("--arm", choices=["groups", "full", "lora"], help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=4)

@@ -1,7 +1,7 @@
 """The rollout methods against their baselines on any task config, at an equal budget of
 generated tokens.
 
-    rollwise bench methods [--config configs/smollm2.yaml] [--arms latr,arrol,...]
+    rollwise bench methods [--config smollm2] [--arms latr,arrol,...]
                            [--seeds 0 1 2] [--tokens N] [--eval-tokens N] [--gain G]
                            [--json] [key=value ...]
 
@@ -93,6 +93,7 @@ from rollwise.bench.jobs import (
 from rollwise.bench.target import first_reach
 from rollwise.bench.trees import distinct_answers
 from rollwise.config import load_config
+from rollwise.presets import PRESETS
 from rollwise.stages.filter import eval_scorer
 from rollwise.stages.filter.stage import CORRECTNESS, weights_of
 from rollwise.stages.generate.scope import distinct_correct
@@ -101,8 +102,8 @@ from rollwise.tasks import load_task
 from rollwise.tasks.prompts import Prompter
 from rollwise.types import Group
 
-CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2.yaml")
-NUDGE_CONTEXTS = str(Path(__file__).resolve().parents[2] / "configs" / "nudge-arithmetic.txt")
+CONFIG = str(PRESETS / "smollm2.yaml")
+NUDGE_CONTEXTS = str(PRESETS / "nudge-arithmetic.txt")
 TTRL = ["run.eval_samples=4", "run.eval_temperature=1.0"]  # and ttrl_reward()
 # arm -> (baseline arm, overrides, the profile's methods whose choices it takes)
 ARMS: dict[str, tuple[str | None, list[str], list[str]]] = {
@@ -162,11 +163,11 @@ def arm_last(arm: str, config: str | None, overrides: list[str]) -> list[str]:
     """Overrides an arm needs after the command's: mssr's prompts a step (its baseline's
     rollouts a step), scope's process verifier (by the task and its tiers)."""
     if arm == "mssr":
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, check_files=False)
         rollouts = cfg.control.prompts_per_step * cfg.generate.group_size
         return [f"control.prompts_per_step={rollouts}"]
     if arm == "scope":
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, check_files=False)
         if cfg.task.name == "worked":
             return ["generate.scope.verifier=worked"]
         stepped = cfg.task.name == "arith" and any(t.endswith("s") for t in cfg.task.tiers)
@@ -178,7 +179,7 @@ def ttrl_reward(config: str | None, overrides: list[str]) -> str:
     """The TTRL arms' reward: the majority vote alone, with the config's ground-truth
     verifier carried at weight 0 so that held-out pass@1 is scored as in the other arms
     (with no such verifier, held-out scoring falls back to exact match)."""
-    reward = load_config(config, overrides).filter.reward
+    reward = load_config(config, overrides, check_files=False).filter.reward
     truth = [n for n in weights_of(reward) if n in CORRECTNESS or ":" in n]
     return (f"filter.reward={{majority: 1.0, '{truth[0]}': 0.0}}" if truth
             else "filter.reward=majority")

@@ -1,6 +1,6 @@
 """APRIL's resumed answers with and without shared prefixes, side by side:
 
-    rollwise bench resume --config configs/smollm2-long.yaml --init FOLDER [--problems 8]
+    rollwise bench resume --config smollm2-long --init FOLDER [--problems 8]
         [--cut 89] [--repeats 3] [--json] [key=value ...]
 
 Each step of APRIL pauses the unfinished answers and resumes them under the new weights as new

@@ -5,7 +5,7 @@ AdamW master weights.
     rollwise bench sync                                  # tiny model and the ~0.5B model
     rollwise bench sync --models tiny --tiny-lrs 1e-6,1e-5,1e-4,1e-3
     rollwise bench sync --models 0.5b --lrs 1e-6,1e-5 --steps 2 --json
-    rollwise bench sync --config configs/smollm2.yaml --lrs 1e-6,3e-6,1e-5 --steps 3 [key=value]
+    rollwise bench sync --config smollm2 --lrs 1e-6,3e-6,1e-5 --steps 3 [key=value]
 
 Per model and learning rate, from the same start (the fp32 master starts on the bf16 grid, as
 when RL starts from a bf16 checkpoint), after every optimizer step the engine gets a sparse

@@ -1,6 +1,6 @@
 """The update's speed on a real model, beside the machine's matrix peak (bench roofline).
 
-    rollwise bench trainer --config configs/smollm2.yaml --threads 2 [--json]
+    rollwise bench trainer --config smollm2 --threads 2 [--json]
         [--arms fp32,bf16,bf16+ckpt,fp32+mb2048] [--repeats 3]
 
 One GRPO batch shaped like the config's step (control.prompts_per_step groups of

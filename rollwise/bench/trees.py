@@ -39,8 +39,9 @@ from rollwise.bench.jobs import (
     warm_start_folder,
 )
 from rollwise.bench.target import first_reach
+from rollwise.presets import PRESETS
 
-CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "stepped.yaml")
+CONFIG = str(PRESETS / "stepped.yaml")
 # ECHO's released thresholds are for a 7B model's top-10 statistics (and H >= 3.5 nats is
 # above ln 10, the most a renormalised top-10 entropy can be). These are set from the tiny
 # warm start's statistics (BENCHMARKS.md, "Tree rollouts: LATR and ECHO"), not from

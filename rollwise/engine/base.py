@@ -60,6 +60,7 @@ class SparseUpdate(NamedTuple):
 class Engine(abc.ABC):
     version: int = -1  # stamped on every token sampled from now on; -1: weights unknown
     tokens_generated: int = 0
+    answers_finished: int = 0  # sequences run to their end; progress notes read it
     prefix_tokens_saved: int = 0  # prompt tokens a prefix cache or a fork spared prefilling
     # prompt and resumed tokens run through the model; None where the engine does not count
     prefill_tokens: int | None = None

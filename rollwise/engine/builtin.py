@@ -160,6 +160,10 @@ class BuiltinEngine(Engine):
     def _stream(self, seed: int | None) -> SeedStream:
         return SeedStream(seed if seed is not None else self._seeds.getrandbits(63))
 
+    @property
+    def answers_finished(self) -> int:
+        return self.scheduler.finished
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._ready)
 
@@ -337,6 +341,7 @@ class BuiltinEngine(Engine):
         children = [self._child(parent, i, seeds, params, last_tokens) for i in range(n)]
         ended = [c for c in children if c.done_reason() is not None]
         live = [c for c in children if c.done_reason() is None]
+        self.scheduler.finished += len(ended)
         for c in ended:  # branched onto a stop token or the length limit: done at birth
             c.status, c.finish_reason = SeqStatus.FINISHED, c.done_reason()
             self._ready.append(self.scheduler.event(c))

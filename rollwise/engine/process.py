@@ -55,7 +55,7 @@ class EngineProcess(Engine):
                 "dtype": None if dtype is None else dtype_name(dtype),
                 "threads": threads or torch.get_num_threads(), "engine_kwargs": engine_kwargs}
         self._arena: SharedArena | None = None
-        self.tokens_generated = 0
+        self.tokens_generated = self.answers_finished = 0  # the child's, after each call
         self._version = -1
         self._proc = ctx.Process(target=_child_main, args=(child, init), daemon=True,
                                  name="rollwise-engine")
@@ -125,7 +125,8 @@ class EngineProcess(Engine):
 
     def call(self, method: str, *args, **kwargs):
         """Any method of the engine, run in the child (arguments and result pickled)."""
-        out, self.tokens_generated, self._version = self._call("call", method, args, kwargs)
+        out, self.tokens_generated, self.answers_finished, self._version = self._call(
+            "call", method, args, kwargs)
         return out
 
     def __getattr__(self, name: str):
@@ -345,7 +346,7 @@ def _child_main(conn, init: dict) -> None:
                 continue
             elif cmd == "call":
                 out = (getattr(engine, args[0])(*args[1], **args[2]), engine.tokens_generated,
-                       engine.version)
+                       engine.answers_finished, engine.version)
             else:
                 raise ValueError(f"unknown engine-process command {cmd!r}")
             conn.send(("ok", out))

@@ -182,6 +182,7 @@ class Scheduler:
         self.fork_tokens_saved = 0  # K/V positions forks copied instead of prefilling again
         self.prefix = PrefixIndex(prefix_cache_tokens) if prefix_cache_tokens else None
         self.prefix_hit_tokens = 0  # K/V positions loaded from the prefix cache
+        self.finished = 0  # sequences run to their end (a stop token or the length limit)
         self.live = LivePrefixes() if share_prefix else None
         self.shared_prefix_tokens = 0  # K/V positions copied from running sequences
         self._saves: list[tuple[int, int, int]] = []  # (slot, entry, positions) to copy out
@@ -408,6 +409,7 @@ class Scheduler:
             self._keep_prefix(seq)
         self._release(seq)
         seq.status, seq.finish_reason = status, reason
+        self.finished += status is SeqStatus.FINISHED
 
     def _keep_prefix(self, seq: Sequence) -> None:
         """Enter a finished sequence's K/V in the prefix cache (copied out by take_saves);

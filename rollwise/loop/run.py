@@ -17,7 +17,7 @@ import random
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from rollwise.loop.metrics import StepResult, step_metrics
 from rollwise.numerics import reproducibility_note
 from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
+from rollwise.run_inputs import PYTHON_INPUTS, resume_hint
 from rollwise.stages.control.stage import Control
 from rollwise.stages.filter import eval_scorer
 from rollwise.stages.filter.groups import build_group_filter, keep, scored_part
@@ -72,6 +73,7 @@ class Inputs:
     tokenizer: Any = None
     rows: Any = None
     eval_rows: Any = None
+    given: dict[str, str] = field(default_factory=dict)  # rollwise.train's objects, described
 
 
 def build_trainer(cfg: Config, model, pad_id: int):
@@ -181,6 +183,9 @@ class Run:
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(dump_config(cfg))
+        (self.dir / PYTHON_INPUTS).unlink(missing_ok=True)
+        if inputs.given:  # so a stop says how to resume, and the CLI refuses at once
+            (self.dir / PYTHON_INPUTS).write_text(json.dumps(inputs.given, indent=2))
         model, self.tokenizer = initial_model(cfg, self.task, progress, inputs)
         self.model_source = model_source(cfg, self.task, inputs)
         model.to(self.device)
@@ -204,9 +209,11 @@ class Run:
         self.generator.bind(prompter=self.prompter)
         self.say_unknown_characters()
         for key in self.filter.unbounded():
-            progress.log(f"reward {key!r} runs in this process with no time limit (it cannot "
-                         f"go to a worker process: a lambda, a function defined in __main__, "
-                         f"TRL's batch style, or filter.workers=0); a hang in it hangs the run")
+            progress.log(f"reward {key!r} runs in this process with no time limit, so a hang "
+                         f"in it hangs the run: it is TRL's batch style, or cannot be "
+                         f"serialised to a worker process (it refers to a lock, a socket or a "
+                         f"model), or filter.workers=0. To bound it, write it as "
+                         f"fn(response, problem) referring only to data it can copy")
         self.params = sampling_params(cfg.generate, self.prompter.stop_ids)
         self.replay = build_replay(cfg)
         self.control.bind(profile=self.profile, policy=self.trainer.model,
@@ -355,6 +362,20 @@ class Run:
         self.totals["tokens_trained"] += int(r.train.get("train/tokens", 0))
         self.totals["tokens_decoded"] = self.totals.get("tokens_decoded", 0) + r.decoded
 
+    def eval_note(self):
+        """A progress note for an evaluation: its answers generated and scored out of the
+        total (the held-out prompts times run.eval_samples)."""
+        start, scorer = self.engine.answers_finished, self.eval_scorer
+        total = len(self.task.eval) * self.cfg.run.eval_samples
+        scorer.scoring = (0, 0)
+
+        def note() -> str:
+            made = min(total, max(0, self.engine.answers_finished - start))
+            scored = scorer.scoring[0]
+            return (f"held-out answers: {made:,}/{total:,} generated, {scored:,}/{total:,} "
+                    f"scored")
+        return note
+
     def tokens_note(self):
         """A progress note: the tokens the engine has generated since this call."""
         start = self.engine.tokens_generated
@@ -446,7 +467,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: bool = False,
         raise DiskFullError(f"no space left on the device holding {run_dir} "
                             f"({shutil.disk_usage(run_dir.parent).free / 2**20:.0f} MiB free; "
                             f"{e.filename or 'writing'}): free some, then continue with "
-                            f"'rollwise train --resume {run_dir}'. Nothing is lost: the last "
+                            f"{resume_hint(run_dir)}. Nothing is lost: the last "
                             f"checkpoint and every stored rollout are intact") from e
     finally:
         torch.set_num_threads(threads)
@@ -478,7 +499,7 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
                  f"parameters, {cfg.train.steps} steps of {cfg.control.prompts_per_step} prompts "
                  f"x {cfg.generate.group_size})")
     if found is None:
-        progress.phase("eval", run.tokens_note())
+        progress.phase("eval", run.eval_note())
         start = last_eval = run.evaluate()
         progress.log("held-out pass@1 at start: " + _fmt(start))
         progress.step(0, start)
@@ -504,7 +525,7 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
             for r in steps:
                 step, m = r.step, step_metrics(r)
                 if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
-                    progress.phase("eval", run.tokens_note())
+                    progress.phase("eval", run.eval_note())
                     t_eval = time.time()
                     with idle():
                         last_eval = run.evaluate()
@@ -535,8 +556,10 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
 
 def _stopped(run: Run, progress: Progress, step: int, signum: int) -> dict:
     run.close()
+    if run.cfg.run.report:
+        write_report_safely(run.dir, progress.log)
     progress.log(f"stopped after step {step} (checkpoint saved); continue with "
-                 f"'rollwise train --resume {run.dir}'")
+                 f"{resume_hint(run.dir)}")
     return {"stopped_at": step, "stopped_by": signum, "run_dir": str(run.dir), **run.totals}
 
 

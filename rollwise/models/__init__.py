@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import weakref
 from pathlib import Path
@@ -23,8 +22,9 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from rollwise import catalog
 from rollwise.config import ModelConfig
-from rollwise.models import fetch
+from rollwise.models import fetch  # noqa: F401 (rollwise.models.fetch, as before)
 
 hf_logging.disable_progress_bar()  # no per-save/load bars in the run's progress display
 
@@ -89,31 +89,7 @@ def tiny_model(cfg: ModelConfig, vocab_size: int, pad_id: int, eos_id: int):
     return to_dtype(model, cfg.dtype)
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def resolve_path(path: str | Path) -> str:
-    """Where a model comes from: a local Hugging Face folder; a catalog name fetched by
-    `rollwise models get` (its cached folder); or a hub id (`org/name`), which transformers
-    resolves through its cache and, unless HF_HUB_OFFLINE=1, the hub. A FileNotFoundError
-    that says which of them failed and what to do otherwise."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file() and not is_adapter(local):
-            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no "
-                                    "config.json) nor a LoRA adapter (no adapter_config.json)")
-        return str(local)
-    name = str(path)
-    if name in fetch.CATALOG:
-        found = fetch.cached(name)
-        if found is None:
-            raise FileNotFoundError(f"model {name!r} is not fetched yet: run 'rollwise models "
-                                    f"get {name}' (it caches under {fetch.cache_root()})")
-        return str(found)
-    if _HUB_ID.match(name) and not local.exists():
-        return name
-    raise FileNotFoundError(f"{path}: no such model folder, not a model of 'rollwise models "
-                            f"list', and not a hub id (org/name)")
+resolve_path = catalog.resolve_model_path  # where a model comes from, checked without torch
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

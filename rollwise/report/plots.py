@@ -7,6 +7,7 @@ import statistics
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from rollwise.report.data import RunData
 
@@ -28,6 +29,29 @@ def figure(rows: int, cols: int, height: float = 3.2) -> tuple[Figure, list]:
                         wspace=0.3, hspace=0.45)
     axes = fig.subplots(rows, cols, squeeze=False)
     return fig, [a for row in axes for a in row]
+
+
+def tidy(ax, steps: bool = True, legend: bool = True) -> None:
+    """Axes a reader can trust at any run length: whole-number step ticks, a flat or single
+    point given a visible range (not +-0.04 around it), and the legend above the lines in
+    headroom of its own instead of over them."""
+    xs = [x for line in ax.get_lines() for x in line.get_xdata()]
+    if steps:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+    elif xs and max(xs) >= 10_000:  # token counts: 150k, not 150000 run into its neighbour
+        ax.xaxis.set_major_formatter(FuncFormatter(
+            lambda v, _: f"{v / 1e6:g}M" if abs(v) >= 1e6 else f"{v / 1e3:g}k"))
+    ys = [y for line in ax.get_lines() for y in line.get_ydata() if y == y]
+    if xs and max(xs) == min(xs):
+        ax.set_xlim(min(xs) - 1, max(xs) + 1)
+    lo, hi = ax.get_ylim()
+    if ys and max(ys) - min(ys) < 1e-9:
+        v = ys[0]
+        lo, hi = (max(0.0, v - 0.1) if v >= 0 else v - 0.1), v + 0.1
+    if legend and ax.get_legend_handles_labels()[0]:
+        hi = hi + 0.3 * (hi - lo)  # the legend's own band above the data
+        ax.legend(fontsize=7, ncol=3, loc="upper center", frameon=False)
+    ax.set_ylim(lo, hi)
 
 
 def _empty(ax, text: str) -> None:
@@ -79,8 +103,8 @@ def learning_curves(runs: list[RunData]) -> Figure:
             ax.set_xlabel(AXIS_LABEL[axis])
             ax.set_ylabel(label if col == 0 else "")
             ax.grid(alpha=0.3)
-            if col == 0 and (len(runs) > 1 or key == "eval/pass1"):
-                ax.legend(fontsize=7)
+            tidy(ax, steps=axis == "step",
+                 legend=col == 0 and (len(runs) > 1 or key == "eval/pass1"))
     return fig
 
 
@@ -114,6 +138,7 @@ def token_flow(runs: list[RunData]) -> Figure:
             ax.step(steps, held, where="mid", color=CATEGORY_COLORS["paused"], lw=1.2,
                     label="held over to the next step (paused)")
         ax.set_title(run.name, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
         ax.set_xlabel("step")
         ax.set_ylabel("tokens")
         ax.set_ylim(0, max(bottom + held) * 1.3 or 1)  # headroom for the legend
@@ -153,7 +178,7 @@ def lengths(runs: list[RunData]) -> Figure:
         ax.set_xlabel("step")
         ax.set_ylabel("response tokens")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        tidy(ax)
     _length_histograms(axes[1], runs)
     return fig
 
@@ -200,7 +225,7 @@ def groups(runs: list[RunData]) -> Figure:
         ax.set_xlabel("step")
         ax.set_ylabel(f"share of {label}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        tidy(ax)
     return fig
 
 
@@ -247,7 +272,7 @@ def engine(runs: list[RunData]) -> Figure:
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        tidy(ax)
     _phase_bars(axes[2], runs)
     return fig
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from rollwise.report import plots
-from rollwise.report.data import RunData, load_runs
+from rollwise.report.data import RunData, load_runs, read_samples
 
 CSS = """
 body { font-family: system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif;
@@ -31,6 +31,8 @@ h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28
 table { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
 td, th { border: 1px solid #ddd; padding: 4px 8px; text-align: right; }
 th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+table.samples td { text-align: left; vertical-align: top; max-width: 560px; }
+table.samples pre { white-space: pre-wrap; word-break: break-word; margin: 0; padding: 4px; }
 img { max-width: 100%; } pre { background: #f7f7f7; padding: 10px; font-size: 12px;
      overflow-x: auto; } details { margin: 6px 0; }
 """
@@ -78,10 +80,26 @@ def _pass1(run: RunData, which: str):
     return {"start": vals[0], "end": vals[-1], "best": max(vals)}[which]
 
 
+def _last_eval(run: RunData) -> str | None:
+    """The last held-out pass@1 with the step it was measured at: a stopped run's last
+    evaluation may be long before its last step."""
+    steps, vals = run.series("eval/pass1")
+    return f"{vals[-1]:.3f} (step {int(steps[-1])})" if vals else None
+
+
+def _steps_done(run: RunData) -> str:
+    done = len(run.training_steps())
+    try:
+        total = (yaml.safe_load(run.config_text) or {}).get("train", {}).get("steps")
+    except (yaml.YAMLError, AttributeError):
+        total = None
+    return f"{done} of {total}" if total and total != done else str(done)
+
+
 SUMMARY = [  # label, value of a run, format
-    ("training steps", lambda r: len(r.training_steps()), "{:d}"),
+    ("training steps", _steps_done, "{}"),
     ("held-out pass@1 at start", lambda r: _pass1(r, "start"), "{:.3f}"),
-    ("held-out pass@1 at end", lambda r: _pass1(r, "end"), "{:.3f}"),
+    ("held-out pass@1 at the last evaluation", _last_eval, "{}"),
     ("best held-out pass@1", lambda r: _pass1(r, "best"), "{:.3f}"),
     ("mean reward, last step", lambda r: _last(r, "reward/mean"), "{:.3f}"),
     ("wall time, whole run (s)", lambda r: _last(r, "wall_seconds"), "{:,.1f}"),
@@ -131,7 +149,8 @@ def _flatten(d, prefix: str = "") -> dict[str, object]:
 def config_html(runs: list[RunData]) -> str:
     if len(runs) == 1:
         text = runs[0].config_text or "(no config.yaml in the run directory)"
-        return f"<pre>{html.escape(text)}</pre>"
+        return (f"<details><summary>the resolved config ({text.count(chr(10))} lines)"
+                f"</summary><pre>{html.escape(text)}</pre></details>")
     flat = [_flatten(yaml.safe_load(r.config_text) if r.config_text else {}) for r in runs]
     keys = sorted({k for f in flat for k in f})
     differ = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
@@ -166,6 +185,26 @@ SECTIONS = [
 ]
 
 
+def samples_html(runs: list[RunData]) -> str:
+    """Each run's best- and worst-scored samples of its last stored step."""
+    parts = []
+    for r in runs:
+        step, rows = read_samples(r.dir / "rollouts")
+        if not rows:
+            parts.append(f"<p class='note'>{html.escape(r.name)}: no rollout store to read "
+                         f"samples from.</p>")
+            continue
+        parts.append(f"<p class='note'>{html.escape(r.name)}, step {step}: the best- and "
+                     f"worst-scored samples, best first.</p>")
+        parts.append("<table class='samples'><tr><th>reward</th><th>status</th><th>prompt</th>"
+                     "<th>response</th></tr>" + "".join(
+                         f"<tr><td>{x['reward']:.3f}</td><td>{html.escape(str(x['status']))}"
+                         f"</td><td><pre>{html.escape(x['prompt_text'])}</pre></td>"
+                         f"<td><pre>{html.escape(x['response_text'])}</pre></td></tr>"
+                         for x in rows) + "</table>")
+    return "\n".join(parts)
+
+
 def render(runs: list[RunData], extra: list[str] = ()) -> str:
     """The page; `extra`: HTML sections appended before the config (a bench's own plots)."""
     names = ", ".join(r.name for r in runs)
@@ -178,6 +217,7 @@ def render(runs: list[RunData], extra: list[str] = ()) -> str:
                  figure_html(plot(runs), title)]
         if plot is plots.token_flow:
             body.append(table_html(*token_rows(runs)))
+    body += ["<h2>Sample responses, last step</h2>", samples_html(runs)]
     body += [*extra, "<h2>Config</h2>", config_html(runs)]
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>rollwise report: {html.escape(names)}</title><style>{CSS}</style></head>"

@@ -338,7 +338,7 @@ def test_ttrl_arms_train_on_the_vote_and_score_held_out_like_the_others():
     from rollwise.stages.filter import eval_scorer
     for config, truth in ((None, "exact"), (methods.CONFIG, "math")):
         override = methods.ttrl_reward(config, [])
-        cfg = load_config(config, [override])
+        cfg = load_config(config, [override], check_files=False)
         assert cfg.filter.reward == {"majority": 1.0, truth: 0.0}
         task = load_task(cfg.task)
         scorer = eval_scorer(cfg.filter, task)

@@ -46,7 +46,7 @@ from rollwise.loop.run import Run
 from rollwise.report.progress import Progress
 cfg = load_config(None, ["run.root={tmp_path}", "model.path=" + {str(tmp_path / 'm')!r},
                          "control.prompts_per_step=2", "generate.group_size=2",
-                         "filter.workers=0", "run.log=quiet"])
+                         "filter.workers=0", "run.log=quiet"], check_files=False)
 from rollwise import models
 m, t = models.build(cfg.model.model_copy(update={{"path": None}}))
 models.save(m, t, {str(tmp_path / 'm')!r})

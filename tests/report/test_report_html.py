@@ -64,9 +64,10 @@ def test_summary_numbers_agree_with_metrics(run_dir):
     page = (run_dir / "report.html").read_text()
     rows = metrics(run_dir)
     evals = [r["eval/pass1"] for r in rows if "eval/pass1" in r]
+    last_eval = [r["step"] for r in rows if "eval/pass1" in r][-1]
     generated = sum(r.get("tokens/generated", 0) for r in rows)
     expected = {"training steps": "3", "held-out pass@1 at start": f"{evals[0]:.3f}",
-                "held-out pass@1 at end": f"{evals[-1]:.3f}",
+                "held-out pass@1 at the last evaluation": f"{evals[-1]:.3f} (step {last_eval})",
                 "best held-out pass@1": f"{max(evals):.3f}",
                 "tokens generated": f"{generated:,.0f}"}
     for label, value in expected.items():
@@ -139,7 +140,7 @@ def test_missing_pieces_degrade_gracefully(tmp_path):
     assert run.token_categories() == {"unaccounted": [100.0]}  # nothing explains the tokens
     page = write_report([d]).read_text()
     assert "(no config.yaml in the run directory)" in page
-    assert "<td>held-out pass@1 at end</td><td>–</td>" in page
+    assert "<td>held-out pass@1 at the last evaluation</td><td>–</td>" in page
     assert len(images(page)) == len(SECTIONS)
 
 
@@ -180,3 +181,47 @@ def test_carried_tokens_are_a_level_not_a_fate(tmp_path):
     assert "<td>held over after the last step (paused, not yet scored)</td><td>200</td>" in page
     assert "unaccounted" not in page
     assert load_run(write_run(tmp_path / "sync", synthetic_rows())).held_over() == []
+
+
+@pytest.mark.integration
+def test_the_report_shows_the_last_steps_best_and_worst_samples(run_dir):
+    """Against the rollout store read directly: the last step's highest and lowest rewards,
+    best first, with their responses; the resolved config folded away."""
+    page = (run_dir / "report.html").read_text()
+    stored = RolloutStore(run_dir / "rollouts").read().to_pylist()
+    last = max(r["step"] for r in stored)
+    rewards = sorted((r["reward"] for r in stored if r["step"] == last), reverse=True)
+    section = page.split("Sample responses, last step</h2>", 1)[1].split("<h2>", 1)[0]
+    assert f"step {last}: the best- and worst-scored samples" in section
+    shown = [float(x) for x in re.findall(r"<tr><td>([-0-9.]+)</td>", section)]
+    assert shown == [round(r, 3) for r in rewards[:3] + rewards[-3:]]
+    assert re.search(r"<details><summary>the resolved config \(\d+ lines\)</summary>", page)
+
+
+def test_axes_stay_readable_for_one_point_and_short_runs():
+    """One evaluation at pass@1 0: a visible range, not +-0.04; three steps: whole-number
+    ticks; the legend sits in headroom above the data."""
+    from rollwise.report import plots
+    fig, (ax,) = plots.figure(1, 1)
+    ax.plot([0], [0.0], marker="o", label="run")
+    plots.tidy(ax)
+    lo, hi = ax.get_ylim()
+    assert lo == 0.0 and hi >= 0.1
+    assert ax.get_xlim() == (-1, 1)
+    fig, (ax,) = plots.figure(1, 1)
+    ax.plot([1, 2, 3], [0.2, 0.5, 0.4], label="run")
+    plots.tidy(ax)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert ax.get_ylim()[1] > 0.5 * 1.2  # headroom above the highest point for the legend
+
+
+def test_a_stopped_run_says_how_many_steps_and_where_its_last_evaluation_was(tmp_path):
+    rows = [{"step": 0, "eval/pass1": 0.25, "wall_seconds": 1.0},
+            {"step": 1, "reward/mean": 0.5, "tokens/generated": 100, "wall_seconds": 2.0},
+            {"step": 2, "reward/mean": 0.5, "tokens/generated": 100, "wall_seconds": 3.0}]
+    d = write_run(tmp_path / "stopped", rows, config="train:\n  steps: 40\n")
+    page = write_report([d]).read_text()
+    assert "<td>training steps</td><td>2 of 40</td>" in page
+    assert "<td>held-out pass@1 at the last evaluation</td><td>0.250 (step 0)</td>" in page

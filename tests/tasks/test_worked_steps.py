@@ -110,7 +110,8 @@ def test_another_task_s_problem_is_not_checked():
 
 
 def test_the_scope_arm_uses_it_on_the_worked_task():
-    cfg = load_config("configs/smollm2-long.yaml", ["generate.scope.verifier=worked"])
+    cfg = load_config("configs/smollm2-long.yaml", ["generate.scope.verifier=worked"],
+                      check_files=False)  # the model need not be fetched to read it
     assert isinstance(build_process_verifier(cfg.generate.scope.verifier, cfg), WorkedSteps)
     assert arm_last("scope", "configs/smollm2-long.yaml", []) == [
         "generate.scope.verifier=worked"]

@@ -138,10 +138,14 @@ def test_contexts_from_config_and_file_and_clear_errors(tmp_path):
     assert load_contexts(cfg) == ["a hint", "work from the last digit", "check by subtracting"]
     with pytest.raises(Exception, match="generate.nudge.contexts"):
         load_config(None, ["generate.strategy=nudge"])
-    missing = load_config(None, ["generate.strategy=nudge",
-                                 f"generate.nudge.contexts_file={tmp_path / 'no.txt'}"])
-    with pytest.raises(ConfigError, match="cannot read"):
-        load_contexts(missing)
+    absent = ["generate.strategy=nudge", f"generate.nudge.contexts_file={tmp_path / 'no.txt'}"]
+    with pytest.raises(ConfigError, match="contexts_file = .*no such file"):
+        load_config(None, absent)  # said before any work
+    with pytest.raises(ConfigError, match="cannot read"):  # a file that went since
+        load_contexts(load_config(None, absent, check_files=False))
+    shipped = load_config(None, ["generate.strategy=nudge",
+                                 "generate.nudge.contexts_file=nudge-arithmetic.txt"])
+    assert len(load_contexts(shipped)) >= 4  # a preset's side file by its name, from anywhere
     with pytest.raises(Exception, match="template"):
         load_config(None, ["generate.nudge.template=no placeholders"])
     with pytest.raises(Exception, match="distill_coef"):

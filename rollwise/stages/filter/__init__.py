@@ -55,6 +55,7 @@ class HeldOutScorer:
         self.budget: float | None = None
         self.deadline: float | None = None
         self.failures: Counter[str] = Counter()
+        self.scoring = (0, 0)  # (scored, to score) of the latest score_all: progress notes
 
     def start(self, seconds: float | None) -> None:
         """What is scored from now on must be scored within `seconds` of the first scoring
@@ -70,12 +71,19 @@ class HeldOutScorer:
                   ) -> list[tuple[float, str, str | None]]:
         """(reward, info, failure cause or None) per response; a failed one's reward is 0."""
         items = [Item(r, p) for r, p in zip(responses, problems)]
+        self.scoring = (0, len(items))
+
+        def progress(done: int, total: int) -> None:
+            self.scoring = (done, total)
+            if on_progress is not None:
+                on_progress(done, total)
         out = []
-        for verdicts in self.stage.verdicts(items, self._clock(), on_progress):
+        for verdicts in self.stage.verdicts(items, self._clock(), progress):
             _, reward, info, cause = self.stage.combine(verdicts)
             if cause:
                 self.failures[cause] += 1
             out.append((0.0 if cause else reward, info, cause))
+        self.scoring = (len(items), len(items))
         return out
 
     def __call__(self, response: str, problem: Problem) -> tuple[float, str]:

@@ -4,8 +4,9 @@ that dies fails its sample with `crash`; the rest of its queue moves to a fresh 
 
 Workers are fresh interpreters (`python -m rollwise.stages.filter.pool`; never forked: the
 trainer holds torch threads, and unlike multiprocessing's spawn they never re-run the
-caller's main script). They receive sys.path and the pickled verifiers once, over a pipe,
-and live until `close()` or the end of the parent (their pipe closes, they exit).
+caller's main script). They receive sys.path and the verifiers once, over a pipe, serialised
+with cloudpickle (a reward defined in the caller's script goes by value), and live until
+`close()` or the end of the parent (their pipe closes, they exit).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
+
+import cloudpickle
 
 from rollwise.stages.filter.base import (
     BAD_OUTPUT,
@@ -93,7 +96,7 @@ class _Worker:
 class VerifierPool:
     def __init__(self, verifiers: dict, workers: int, timeout_s: float):
         try:
-            self.payload = pickle.dumps(verifiers)
+            self.payload = cloudpickle.dumps(verifiers)
         except Exception as e:
             raise ValueError(f"a verifier cannot be sent to worker processes ({e}); set "
                              "filter.workers=0 to run verifiers in-process") from e

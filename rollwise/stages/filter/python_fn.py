@@ -7,17 +7,20 @@ Two call styles, told apart by the signature:
   the dataset's other columns as keyword lists (completions are chat messages when the
   prompts are).
 
-A function that can be sent to a worker process (defined at the top of an importable module)
-runs isolated there, with the per-sample timeout, as dotted-path rewards do. One defined in
-__main__, a closure or a lambda runs in this process: an exception fails only its samples, but
-a hang cannot be timed out.
+A per-sample function runs isolated in a worker process, with the per-sample timeout, as
+dotted-path rewards do: it is sent there with cloudpickle, by reference when it is importable
+and by value (its code and what it refers to) when it is defined in a script, a notebook, a
+closure or a lambda. One that cannot be serialised (it holds a lock, a socket, a model) and
+TRL's batch style run in this process: an exception fails only their samples, but a hang
+cannot be timed out, and the run says so when it starts.
 """
 
 from __future__ import annotations
 
 import inspect
-import pickle
 import re
+
+import cloudpickle
 
 from rollwise.stages.filter.base import BAD_OUTPUT, ERROR, Item, Verdict, Verifier, coerce
 
@@ -36,13 +39,10 @@ def _trl_style(fn) -> bool:
 
 
 def _sendable(fn) -> bool:
-    if getattr(fn, "__module__", "__main__") == "__main__" or "<" in getattr(
-            fn, "__qualname__", "<"):
-        return False
     try:
-        pickle.dumps(fn)
+        cloudpickle.dumps(fn)
         return True
-    except Exception:
+    except Exception:  # whatever it refers to may fail to serialise, in any way
         return False
 
 

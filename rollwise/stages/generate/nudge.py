@@ -13,8 +13,8 @@ Held-out evaluation asks every prompt plainly.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
+from rollwise import presets
 from rollwise.config import ConfigError
 from rollwise.stages.generate.group import GroupGenerator, new_sample
 from rollwise.stages.generate.rollout import Rollout
@@ -30,7 +30,7 @@ def load_contexts(cfg) -> list[str]:
     c = cfg.generate.nudge
     contexts = [x.strip() for x in c.contexts if x.strip()]
     if c.contexts_file:
-        path = Path(c.contexts_file)
+        path = presets.side_file(c.contexts_file)  # a preset's side file by its name too
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:

@@ -4,6 +4,7 @@ evaluation scorer that always uses the true answer."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -478,7 +479,11 @@ def test_user_code_that_no_timeout_can_stop_is_named():
     assert pooled.unbounded() == [] and in_process.unbounded() == ["flaky"]
     lam = CallableVerifier(lambda response, problem: 1.0)
     stage = FilterStage([Channel("reward", 1.0, lam)], lambda text: text, workers=2)
-    assert stage.unbounded() == ["reward"]  # a lambda cannot go to a worker
+    assert stage.unbounded() == []  # a lambda goes to a worker by value
+    lock = threading.Lock()
+    held = CallableVerifier(lambda response, problem: float(lock.locked()))
+    stuck = FilterStage([Channel("reward", 1.0, held)], lambda text: text, workers=2)
+    assert stuck.unbounded() == ["reward"]  # what refers to a lock cannot be copied there
     assert build_filter(FilterConfig(reward="exact"), task).unbounded() == []
-    for s in (pooled, in_process, stage):
+    for s in (pooled, in_process, stage, stuck):
         s.close()
