@@ -21,6 +21,21 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def on_page_markdown(markdown, page, config, files):
+    """Plot directives (scripts/docs_plots.py) drawn from the recorded logs."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from docs_plots import expand
+    return expand(markdown)
+
+
+def on_page_content(html, page, config, files):
+    """Inline code without a space (a key, a value, a command word) marked `ident`, which the
+    stylesheet keeps on one line: a browser would otherwise break it at a hyphen or mid-word
+    in a narrow table column."""
+    return re.sub(r"<code>([^<\s]+)</code>", r'<code class="ident">\1</code>', html)
+
+
 def on_files(files, config):
     pages = {
         "index.md": _from_root("README.md", ""),

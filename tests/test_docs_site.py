@@ -51,3 +51,19 @@ def test_root_documents_link_to_pages_that_exist(name, up):
         if not target.startswith("http") and target not in (
                 "index.md", "benchmarks/index.md", "changelog.md"):  # generated pages
             assert (here / target).resolve().is_file(), target
+
+
+def test_plot_directives_draw_from_the_recorded_logs_and_name_a_bad_one():
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from docs_plots import PlotError, expand
+    page = expand("text\n<!-- plot: curves docs/bench-logs/smollm2/seed*-metrics.jsonl "
+                  "eval/pass1 -->\nmore\n<!-- plot: bars docs/bench-logs/smollm2/e2e-trl.json "
+                  "medians seconds_per_step -->\n")
+    assert page.count('src="data:image/png;base64,') == 2 and "<!-- plot" not in page
+    with pytest.raises(PlotError, match="no file matches"):
+        expand("<!-- plot: curves docs/bench-logs/none*.jsonl eval/pass1 -->")
+    with pytest.raises(PlotError, match="has no 'eval/nope'"):
+        expand("<!-- plot: curves docs/bench-logs/smollm2/seed0-metrics.jsonl eval/nope -->")
+    with pytest.raises(PlotError, match="no 'medianz'"):
+        expand("<!-- plot: bars docs/bench-logs/smollm2/e2e-trl.json medianz x -->")
