@@ -17,6 +17,7 @@ import argparse
 import errno
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -420,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rollwise: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `rollwise bench | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise

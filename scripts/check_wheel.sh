@@ -50,12 +50,12 @@ say "rollwise configs list"
 rollwise configs list
 rollwise configs copy smollm2 mine.yaml
 say "rollwise config show --config smollm2 (and its copy)"
-rollwise config show --config smollm2 | head -5
+rollwise config show --config smollm2 > shown.yaml && head -5 shown.yaml
 rollwise config show --config mine.yaml > /dev/null
 rollwise config show --config smollm2 generate.strategy=nudge \
   generate.nudge.contexts_file=nudge-arithmetic.txt > /dev/null  # a preset's side file
 say "rollwise bench (the list)"
-rollwise bench | head -4
+rollwise bench > benches.txt && head -4 benches.txt
 say "a short default run"
 rollwise train sft.steps=50 train.steps=2 task.eval_size=32 run.name=smoke run.log=plain
 test -f runs/smoke/report.html && test -f runs/smoke/model/config.json
@@ -87,5 +87,5 @@ test -f runs/smol1/summary.json
 
 say "the sdist installs too"
 "$PY" -m pip install -q --no-deps --force-reinstall "$WORK/dist/"*.tar.gz
-rollwise --version && rollwise configs show dapo | head -3
+rollwise --version && rollwise configs show dapo > dapo.yaml && head -3 dapo.yaml
 say "passed"

@@ -176,3 +176,11 @@ def test_wrong_paths_and_keys_are_said_before_the_training_stack_loads(elsewhere
                                "HOME": str(elsewhere)})
     assert said in done.stderr, done.stderr
     assert "rc 2 heavy []" in done.stdout, done.stdout
+
+
+def test_a_listing_piped_to_head_ends_quietly(elsewhere):
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m rollwise bench "
+                           f"| head -1"], capture_output=True, text=True, timeout=120,
+                          cwd=elsewhere, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.startswith("rollwise bench NAME")
