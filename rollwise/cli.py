@@ -163,19 +163,31 @@ def cmd_serve(args) -> int:
     _check_model("--model", args.model)
     from rollwise import models
     from rollwise.engine import BuiltinEngine
+    from rollwise.engine.sizing import GIB, serving_kv_budget
     from rollwise.serve.app import build_app
     from rollwise.serve.driver import EngineDriver
     from rollwise.serve.service import Service
     from rollwise.tasks.prompts import stop_ids
     model, tok = models.load_model(args.model, args.dtype)
     name = args.name or Path(args.model).name
+    try:
+        kv_tokens, kv_bytes = serving_kv_budget(model, args.kv_budget_gib)
+    except ValueError as e:
+        raise ConfigError(f"--kv-budget-gib: {e}") from None
     service = Service(tok, name, model.config.max_position_embeddings,
                       stop_ids(tok, model.generation_config), api_key=args.api_key,
-                      default_max_tokens=args.max_tokens)
-    service.driver = EngineDriver(BuiltinEngine(model, copy_model=False, seed=args.seed))
-    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+                      default_max_tokens=args.max_tokens, kv_budget_tokens=kv_tokens)
+    service.driver = EngineDriver(BuiltinEngine(model, copy_model=False, seed=args.seed,
+                                                kv_budget_tokens=kv_tokens))
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops); K/V budget "
+          f"{kv_bytes / GIB:.2f} GiB ({kv_tokens:,} positions; --kv-budget-gib)", flush=True)
+
+    def stopping() -> None:
+        n = service.driver.stop()
+        print(f"rollwise serve: stopping; {n} answer(s) in flight aborted", file=sys.stderr,
+              flush=True)
     try:
-        serve_forever(build_app(service), args.host, args.port, args.api_key)
+        serve_forever(build_app(service), args.host, args.port, args.api_key, stopping)
     finally:
         service.driver.close()
     return 0
@@ -370,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the served weights' dtype")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="new tokens when a request gives no max_tokens")
+    p.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="memory for the K/V cache of every request together; requests wait "
+                        "for room, past 4 budgets queued they get 429 (default: half the "
+                        "memory available once the model has loaded)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p = _command(sub, "export", "a LoRA adapter merged into its base model, saved as a plain "
                                 "Hugging Face folder", cmd_export)

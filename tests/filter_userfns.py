@@ -27,6 +27,12 @@ def flaky(response: str, problem):
         return 1.0, "i" * (10 << 20)
     if response == "huge-raise":
         raise ValueError("e" * (10 << 20))
+    if response == "many-channels":  # 100,000 named channels, the reward's among them
+        return {"flaky": 1.0, **{f"c{i}": 0.5 for i in range(100_000)}}
+    if response == "long-name":
+        return {"flaky": 1.0, "n" * 10_000: 0.5}
+    if response == "some-channels":  # within the bounds: kept
+        return {"flaky": 1.0, **{f"c{i}": 0.5 for i in range(20)}}
     return float(response == problem.answer[::-1]), "checked"
 
 

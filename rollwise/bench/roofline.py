@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from rollwise.engine.graph_model import bf16_packing_works
 from rollwise.engine.sizing import kv_bytes_per_token
 
 
@@ -62,7 +63,8 @@ def _rates(dtype: torch.dtype, device: str, n: int | None) -> dict[str, float]:
     a = torch.randn(n, n, device=device, generator=g).to(dtype)
     b = torch.randn(n, n, device=device, generator=g).to(dtype)
     rates = {"torch": 2 * n ** 3 / best_time(lambda: a @ b, device)}
-    if device == "cpu" and torch.backends.mkldnn.is_available():
+    if device == "cpu" and torch.backends.mkldnn.is_available() and (
+            dtype != torch.bfloat16 or bf16_packing_works()):  # oneDNN's bf16 needs AVX512
         am, bm = a.to_mkldnn(), b.t().contiguous().to_mkldnn()  # linear: x @ w.T
         rates["onednn"] = 2 * n ** 3 / best_time(
             lambda: torch._C._nn.mkldnn_linear(am, bm, None), device)

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from rollwise.engine import compile_cache
 from rollwise.engine.adapters import AdapterSpec, MergedAdapters
 from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
 from rollwise.engine.decode_graph import DecodeGraph
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 # (tracing and compiling cost more than its passes save in a run); SmolLM2 (135 M) earns its
 # compile back within its first RL step.
 AUTO_COMPILE_PARAMS = 10_000_000
+COMPILE_TIME_NOTE = "once per model and torch version: 1-3 min on a 2-core CPU"
 
 
 def completion_of(seq: Sequence) -> Completion:
@@ -101,6 +103,7 @@ class BuiltinEngine(Engine):
         self.adapters: MergedAdapters | None = None  # LoRA: what weight sync writes
         self.graph_note: str | None = None  # why graph="auto" kept the runner's path
         self.graph_compile_seconds = 0.0  # the decode graph's compile (or cache load) time
+        self.busy_with = ""  # what a step is doing besides generating (a compile), for progress
 
     @property
     def prefix_tokens_saved(self) -> int:
@@ -225,10 +228,35 @@ class BuiltinEngine(Engine):
                         "(%s)", type(model).__name__, reason)
             return None
         if graph.compiled:
-            log.info("engine: compiling the decode graph (cached on disk for later runs)")
-            self.graph_compile_seconds = graph.warm_up()
+            graph = self._compiled_or_eager(graph)
         self.graph = graph
         return graph
+
+    def _compiled_or_eager(self, graph: DecodeGraph) -> DecodeGraph:
+        """The compiled graph, warmed up (compiled, or loaded from torch's cache); where that
+        fails, the uncompiled graph, said once with the cache to clear."""
+        removed = compile_cache.repair()
+        if removed:
+            log.warning("engine: removed %d damaged file(s) an interrupted compile left in "
+                        "torch's compile cache (%s); they compile again", len(removed),
+                        compile_cache.cache_dir())
+        log.warning("engine: compiling the decode graph (%s); later starts load it from "
+                    "torch's compile cache", COMPILE_TIME_NOTE)
+        self.busy_with = f"compiling the decode graph ({COMPILE_TIME_NOTE})"
+        try:
+            self.graph_compile_seconds = graph.warm_up()
+            return graph
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            self.graph_note = f"the compiled decode graph failed ({type(e).__name__}: {first})"
+            log.warning("engine: %s; running the uncompiled decode graph instead (same tokens, "
+                        "slower). If an interrupted start damaged torch's compile cache, clear "
+                        "it (rm -rf %s) and the next start compiles again", self.graph_note,
+                        compile_cache.cache_dir())
+            return DecodeGraph(self.runner, compile=False, segment=self.scheduler.segment,
+                               batch=self.scheduler.max_slots)
+        finally:
+            self.busy_with = ""
 
     def _graph_window(self, graph: DecodeGraph, plan: StepPlan, steps: int) -> list[Event]:
         """Up to `steps` decode passes on the decode graph, sampled on the device."""

@@ -24,6 +24,7 @@ step's matrix time on AMX; the copies are rebuilt when a source tensor's version
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -281,10 +282,27 @@ class GraphWeights:
 
 def can_pack(model) -> bool:
     """oneDNN-packed products pay on a CPU in bfloat16 (measured on AMX: SmolLM2's 64-row
-    decode products 1.5-2x faster); in float32 they gain nothing measurable."""
+    decode products 1.5-2x faster); in float32 they gain nothing measurable. Only where
+    oneDNN packs bf16 on this CPU at all (it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT)."""
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.bfloat16 and \
-        torch.backends.mkldnn.is_available()
+    return p.device.type == "cpu" and p.dtype == torch.bfloat16 and bf16_packing_works()
+
+
+@functools.cache
+def bf16_packing_works() -> bool:
+    """Whether oneDNN packs and multiplies a bf16 weight on this CPU: tried once on a small
+    one, since the instruction sets it wants are its own to name (a CPU without them raises
+    'bf16 path needs the cpu support avx_ne_convert or avx512bw, ...')."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(16, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=torch.bfloat16),
+                                                 packed, None, "none", [None], "")
+        return bool((out == 16).all())
+    except RuntimeError:
+        return False
 
 
 def build_prefill(prefills: list[tuple[int, int, int]], device) -> Prefill:

@@ -69,6 +69,18 @@ def memory_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def serving_kv_budget(model, gib: float | None = None) -> tuple[int, int]:
+    """A served engine's K/V budget as (tokens, bytes): `gib` GiB, or by default half the
+    memory this machine has available (read after the model has loaded), so that no request,
+    whatever its n and max_tokens, can take the machine's memory."""
+    per = kv_bytes_per_token(model.config, model.dtype)
+    size = int(gib * GIB) if gib is not None else memory_available() // 2
+    if size < per * 64:
+        raise ValueError(f"a K/V budget of {size / GIB:.3g} GiB holds fewer than 64 tokens of "
+                         f"this model ({per} bytes a token); raise it")
+    return size // per, size
+
+
 def trainer_bytes(model) -> int:
     """What a trainer beside the engine holds besides activations: weights, gradients and
     AdamW's two moments in fp32 (bf16 weights keep fp32 master weights too)."""

@@ -15,6 +15,13 @@ generate, score, persist: Run.produce) while the trainer updates on earlier ones
   checkpoint holds the steps produced but not trained yet, so a resume trains each once.
 - max_staleness = 0: step k's generation starts after step k - 1 is trained, evaluated and
   checkpointed, the synchronous loop's order, so its numbers are the same bit for bit.
+- max_staleness >= 1 is not bit-reproducible, by design: whether a push lands before a step's
+  generation or between two of its decode steps depends on how fast each side ran, and that
+  decides which version samples each token, its behaviour log-probability and (through the
+  new weights) sometimes the token. The record is exact about what happened (every token's
+  version and log-probability as sampled); what happened is timing. Measured with
+  scripts/async_repeat.py: same-seed runs identical while one side is always the slower,
+  and one of two repeats diverging at step 7 of 8 where they were close (BENCHMARKS.md).
 
 Every wait has loop.wait_timeout_s and an error that names what it waited for.
 """

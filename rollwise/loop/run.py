@@ -370,16 +370,21 @@ class Run:
         scorer.scoring = (0, 0)
 
         def note() -> str:
+            busy = getattr(self.engine, "busy_with", "")  # the first start's compile
             made = min(total, max(0, self.engine.answers_finished - start))
             scored = scorer.scoring[0]
-            return (f"held-out answers: {made:,}/{total:,} generated, {scored:,}/{total:,} "
-                    f"scored")
+            return busy or (f"held-out answers: {made:,}/{total:,} generated, "
+                            f"{scored:,}/{total:,} scored")
         return note
 
     def tokens_note(self):
         """A progress note: the tokens the engine has generated since this call."""
         start = self.engine.tokens_generated
-        return lambda: f"{self.engine.tokens_generated - start:,} tokens"
+
+        def note() -> str:
+            busy = getattr(self.engine, "busy_with", "")  # e.g. the first start's compile
+            return busy or f"{self.engine.tokens_generated - start:,} tokens"
+        return note
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -6,8 +6,12 @@ Requests of every client and episode are batched by one engine driver (rollwise.
 Tool calls are parsed from the model's turn in the format its chat template teaches
 (rollwise.agents.toolcalls) and returned in OpenAI's format; the model is never forced to call
 a tool ('required' and a named function only filter what it wrote). Bad requests get
-OpenAI-style JSON errors: 400 (malformed, a context longer than the model's), 401 (a missing
-or wrong API key, where one is set), 404 (an unknown model or episode), 503 (nothing serving).
+OpenAI-style JSON errors: 400 (malformed, nested past MAX_JSON_DEPTH, not Unicode text, too
+many messages, a context longer than the model's, a choice past the K/V budget), 401 (a
+missing or wrong API key, where one is set), 404 (an unknown model or episode), 408 and 413
+(a body too slow or too large: rollwise.serve.gate), 429 (the K/V queue full), 503 (nothing
+serving). A non-streaming request whose client disconnects is cancelled (unless_gone), as a
+stream is: its sequences are aborted at the engine's next step.
 """
 
 from __future__ import annotations
@@ -19,14 +23,23 @@ import secrets
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from rollwise.engine import SamplingParams
-from rollwise.serve.chat import Continued, Turn
-from rollwise.serve.gate import Gate
-from rollwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, usage
+from rollwise.serve.chat import Continued, TooLong, Turn
+from rollwise.serve.gate import BODY_TIMEOUT_S, Gate
+from rollwise.serve.protocol import (
+    MAX_JSON_DEPTH,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    json_problem,
+    usage,
+)
 from rollwise.serve.service import (
     Choice,
     EpisodeCalls,
@@ -39,19 +52,24 @@ from rollwise.serve.service import (
 MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413), declared or streamed
 
 
-def build_app(service: Service) -> FastAPI:
+def build_app(service: Service, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="rollwise", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e: ClientGone):  # nobody reads it: nginx's 499, closed
+        return Response(status_code=499, headers={"connection": "close"})
 
     @app.exception_handler(Exception)
     async def _server_error(request, e: Exception):  # a bug here: said as JSON, not HTML
         return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", "internal_error",
                                      kind="server_error").body(), status_code=500)
 
-    app.add_middleware(Gate, api_key=service.api_key, limit=MAX_BODY_BYTES)
+    app.add_middleware(Gate, api_key=service.api_key, limit=MAX_BODY_BYTES,
+                       body_timeout_s=body_timeout_s)
     for prefix in ("/v1", "/episodes/{episode}/v1"):
         app.get(prefix + "/models")(_models(service))
         app.post(prefix + "/chat/completions")(_chat(service))
@@ -77,6 +95,14 @@ def _parse(raw: bytes, model):
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the body is not JSON", "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels",
+                       "invalid_json") from None
+    _check_counts(data)
+    problem = json_problem(data)
+    if problem is not None:
+        raise ApiError(400, f"{problem[1] or 'body'}: {problem[0]}", "invalid_json",
+                       problem[1] or None)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -84,6 +110,18 @@ def _parse(raw: bytes, model):
         where = ".".join(str(x) for x in first["loc"])
         raise ApiError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}",
                        "invalid_request", where) from None
+
+
+def _check_counts(data) -> None:
+    """Refuse a list of messages or prompts past its bound before pydantic validates each."""
+    if not isinstance(data, dict):
+        return
+    for key, bound in (("messages", MAX_MESSAGES), ("prompt", MAX_PROMPTS)):
+        items = data.get(key)
+        if isinstance(items, list) and len(items) > bound and not (
+                key == "prompt" and all(isinstance(t, int) for t in items[:1])):
+            raise ApiError(400, f"{key}: {len(items)} items, more than the {bound} one "
+                           f"request may hold", "too_many_items", key)
 
 
 def _checks(service: Service, req, episode: str | None) -> EpisodeCalls | None:
@@ -152,7 +190,8 @@ def _chat(service: Service):
                     ep.transcript.record(at, turn, c.logprobs, c.versions, c.entropies)
 
         if not req.stream:
-            choices = await run_choices(service, at.prompt_ids, params, req.stop)
+            choices = await unless_gone(request, run_choices(service, at.prompt_ids, params,
+                                                             req.stop))
             finished(choices)
             out = []
             for c in choices:
@@ -180,6 +219,10 @@ def _chat_prompt(service: Service, ep: EpisodeCalls | None, messages, tools) -> 
     except TemplateError as e:  # e.g. a template that wants roles to alternate
         raise ApiError(400, f"the chat template cannot render these messages: {e}",
                        "invalid_messages", "messages") from None
+    except TooLong as e:
+        raise ApiError(400, f"this model's context is {service.max_context} tokens; {e}, "
+                       f"more than any {service.max_context} tokens can hold",
+                       "context_length_exceeded", "messages") from None
 
 
 def _assistant(service: Service, c: Choice, req: ChatRequest, tools) -> tuple[dict, str]:
@@ -310,15 +353,46 @@ def _completions(service: Service):
         if req.stream:
             return StreamingResponse(_completion_stream(service, req, prompts, budgets, head),
                                      media_type="text/event-stream")
-        out, used = [], 0
-        for j, ids in enumerate(prompts):
-            params = _params(service, req, budgets[j], req.logprobs or 0, None, req.seed)
-            for c in await run_choices(service, ids, params, req.stop):
-                used += len(c.ids)
-                out.append(_text_choice(service, req, ids, c, j * req.n + c.index))
-        return {**head, "choices": out,
-                "usage": usage(sum(map(len, prompts)) * req.n, used)}
+
+        async def run() -> dict:
+            out, used = [], 0
+            for j, ids in enumerate(prompts):
+                params = _params(service, req, budgets[j], req.logprobs or 0, None, req.seed)
+                for c in await run_choices(service, ids, params, req.stop):
+                    used += len(c.ids)
+                    out.append(_text_choice(service, req, ids, c, j * req.n + c.index))
+            return {**head, "choices": out,
+                    "usage": usage(sum(map(len, prompts)) * req.n, used)}
+        return await unless_gone(request, run())
     return completions
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def unless_gone(request: Request, work):
+    """The result of the coroutine `work`, unless the client disconnects first: then `work` is
+    cancelled (run_choices aborts its sequences at the engine's next step) and ClientGone
+    raised, so a gone client's work stops instead of running to its end."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body was read whole: receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _text_choice(service, req, ids, c: Choice, index: int) -> dict:

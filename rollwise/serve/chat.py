@@ -20,11 +20,21 @@ from rollwise.agents.toolcalls import ToolCall, detect, parse_tool_calls
 from rollwise.agents.turns import plain_turn
 
 
-class Renderer:
-    """Messages (and tools) as the text and ids a model is prompted with."""
+class TooLong(ValueError):
+    """A rendered prompt of more characters than Renderer.max_chars: refused untokenized."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, chars: int, limit: int):
+        super().__init__(f"the rendered prompt has {chars} characters, more than {limit}")
+        self.chars = chars
+
+
+class Renderer:
+    """Messages (and tools) as the text and ids a model is prompted with. `max_chars`: the
+    most characters a rendered text may have to be tokenized (a server sets it from the
+    context: text past it cannot fit, and tokenizing it would cost seconds for nothing)."""
+
+    def __init__(self, tokenizer, max_chars: int | None = None):
+        self.tokenizer, self.max_chars = tokenizer, max_chars
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.tool_format = detect(tokenizer.chat_template) if self.chat else "plain"
         # a template that writes tool calls itself wants only the text around them back
@@ -46,6 +56,8 @@ class Renderer:
             for i, m in enumerate(messages))
 
     def encode(self, text: str) -> list[int]:
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise TooLong(len(text), self.max_chars)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prompt_ids(self, messages: list[dict], tools=None) -> list[int]:

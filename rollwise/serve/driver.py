@@ -31,6 +31,11 @@ class EngineStopped(RuntimeError):
     """The driver was closed or its engine failed; the message says which."""
 
 
+class RequestRefused(ValueError):
+    """The engine refused one request (one that can never fit its K/V budget); the others go
+    on."""
+
+
 class Stream:
     """One request's events, as the driver hands them over."""
 
@@ -95,6 +100,14 @@ class EngineDriver:
             self._stop_all()
             raise
 
+    def stop(self) -> int:
+        """Begin closing without waiting (a signal handler's part): the engine ends its step,
+        then aborts every request (their waiters get EngineStopped). Returns how many
+        were running or queued (one per choice)."""
+        n = len(self._live) + self._inbox.qsize()
+        self._closed.set()
+        return n
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop serving: requests still running are aborted (their waiters get EngineStopped);
         returns once the engine is idle."""
@@ -124,8 +137,12 @@ class EngineDriver:
         if block:  # an idle engine's first request often opens a burst (a round of agents
             self._settle()  # starting): prefill the burst together, not one request at a time
         for stream in [first, *self._drain()]:
-            stream.seq_id = self.engine.add(Request(stream.prompt_ids, stream.params,
-                                                    stream.tag))
+            try:
+                stream.seq_id = self.engine.add(Request(stream.prompt_ids, stream.params,
+                                                        stream.tag))
+            except ValueError as e:  # this request's own fault: the engine serves on
+                stream.put(RequestRefused(str(e)))
+                continue
             self._live[stream.seq_id] = stream
 
     def _settle(self) -> None:

@@ -1,10 +1,12 @@
 """What every request passes before the endpoints see it (an ASGI middleware): the API key,
-then the body's size. A body is read here, counted as it arrives, and refused with 413 the
-moment it passes the limit, whether its size was declared (Content-Length) or not (a chunked
-body): nothing past the limit is kept in memory. The endpoints get the body whole."""
+then the body's size and time. A body is read here, counted as it arrives, and refused with
+413 the moment it passes the limit, whether its size was declared (Content-Length) or not (a
+chunked body): nothing past the limit is kept in memory; one still arriving after
+BODY_TIMEOUT_S gets 408. The endpoints get the body whole."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 from starlette.responses import JSONResponse
@@ -19,9 +21,14 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+BODY_TIMEOUT_S = 60.0
+
+
 class Gate:
-    def __init__(self, app, api_key: str | None, limit: int):
+    def __init__(self, app, api_key: str | None, limit: int,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         self.app, self.api_key, self.limit = app, api_key, limit
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -30,7 +37,11 @@ class Gate:
                    for k, v in scope["headers"]}
         refusal = self._refusal(headers)
         if refusal is None:
-            body = await self._body(receive)
+            try:
+                body = await asyncio.wait_for(self._body(receive), self.body_timeout_s)
+            except TimeoutError:
+                body = ApiError(408, f"the body did not arrive whole within "
+                                f"{self.body_timeout_s:.0f}s", "body_timeout")
             if body is None:
                 return  # the client went away while sending
             if isinstance(body, ApiError):

@@ -10,18 +10,56 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+MAX_JSON_DEPTH = 64  # a body nesting deeper is refused: no request of the API needs it, and
+# a 100,000-level one would exhaust the parser's and the validator's recursion
+MAX_MESSAGES = 2_048  # messages of one chat request, counted before they are validated
+MAX_PROMPTS = 2_048  # prompts of one /v1/completions request
+
+
 class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, type, code and the parameter at fault."""
 
     def __init__(self, status: int, message: str, code: str | None = None,
-                 param: str | None = None, kind: str = "invalid_request_error"):
+                 param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.kind = \
             status, message, code, param, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+def json_problem(data: Any) -> tuple[str, str] | None:
+    """What makes a parsed body unusable, as (message, where), or None: nesting past
+    MAX_JSON_DEPTH, or a string (key or value) that is not valid Unicode text (a lone
+    surrogate such as "\\ud800", which JSON can spell but no UTF-8 text holds). Walked
+    without recursion, so a deep body cannot exhaust the stack here."""
+    stack = [(data, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                return f"the body nests deeper than {MAX_JSON_DEPTH} levels", where
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                if isinstance(k, str) and not _is_text(k):
+                    return f"a key ({ascii(k)[:40]}) is not valid Unicode text (a lone " \
+                           f"surrogate)", where
+                stack.append((v, depth + 1, f"{where}.{k}" if where else str(k)))
+        elif isinstance(value, str) and not _is_text(value):
+            return "a string is not valid Unicode text (a lone surrogate such as \\ud800)", where
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Message(BaseModel):

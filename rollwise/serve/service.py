@@ -9,11 +9,13 @@ import asyncio
 import hashlib
 import secrets
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rollwise.engine import SamplingParams
+from rollwise.engine.scheduler import LEN_ALIGN
 from rollwise.serve.chat import Renderer, Transcript
-from rollwise.serve.driver import EngineStopped
+from rollwise.serve.driver import EngineStopped, RequestRefused
 from rollwise.serve.protocol import ApiError
 
 
@@ -26,6 +28,8 @@ class Policy:
     top_k: int = 0
 
 
+QUEUED_BUDGETS = 4  # K/V positions served or waiting, in budgets, before requests get 429
+WORK_THREADS = 4  # bodies prepared at once (parse, render, tokenize)
 SEED_STRIDE = 1_000  # an episode's calls' seeds are this far apart
 
 
@@ -63,18 +67,24 @@ class Service:
 
     def __init__(self, tokenizer, model_name: str, max_context: int, stop_ids,
                  api_key: str | None = None, request_timeout_s: float = 600.0,
-                 default_max_tokens: int = 256):
-        self.renderer = Renderer(tokenizer)
+                 default_max_tokens: int = 256, kv_budget_tokens: int | None = None):
+        """kv_budget_tokens: the engine's K/V budget (the engine must be built with it): a
+        choice that cannot fit it is refused (400), and requests are queued for it up to
+        QUEUED_BUDGETS budgets of positions, past which they get 429. None: no bound."""
+        self.max_prompt_chars = max_context * longest_token_chars(tokenizer)
+        self.renderer = Renderer(tokenizer, self.max_prompt_chars)
         self.tokenizer, self.model_name, self.max_context = tokenizer, model_name, max_context
         self.stop_ids = tuple(stop_ids)
         self.api_key, self.timeout_s = api_key, request_timeout_s
         self.default_max_tokens = default_max_tokens
+        self.kv_budget_tokens = kv_budget_tokens
+        self.reserved = 0  # K/V positions the requests being served or queued may take
         self.driver = None
         self.episodes: dict[str, EpisodeCalls] = {}
-        # parsing, rendering and tokenizing a body take up to seconds: one thread does them,
-        # so the event loop (every other client, streams, /v1/models) never waits on them
-        self.work = ThreadPoolExecutor(1, thread_name_prefix="rollwise-serve-work")
-        self.max_prompt_chars = max_context * longest_token_chars(tokenizer)
+        # parsing, rendering and tokenizing a body take up to seconds: threads do them, so the
+        # event loop (every other client, streams, /v1/models) never waits on them, and
+        # several, so one large body's preparation does not hold the next client's
+        self.work = ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="rollwise-serve-work")
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the service's work thread."""
@@ -87,6 +97,29 @@ class Service:
             raise ApiError(400, f"this model's context is {self.max_context} tokens; the "
                            f"prompt has {chars} characters, more than any {self.max_context} "
                            f"tokens can hold", "context_length_exceeded", param)
+
+    @contextmanager
+    def reserving(self, prompt_len: int, params: list[SamplingParams]):
+        """Hold a request's K/V positions while it runs (on the event loop: no lock), or
+        refuse it: 400 where one choice cannot fit the budget, 429 where the queue is full."""
+        budget = self.kv_budget_tokens
+        each = [prompt_len + p.max_new_tokens for p in params]
+        if budget is not None:
+            if -(-max(each) // LEN_ALIGN) * LEN_ALIGN > budget:
+                raise ApiError(400, f"one choice needs {max(each)} K/V positions (the prompt's "
+                               f"{prompt_len} + max_tokens {max(each) - prompt_len}); this "
+                               f"server's K/V budget holds {budget}: lower max_tokens",
+                               "kv_budget_exceeded", "max_tokens")
+            if self.reserved and self.reserved + sum(each) > QUEUED_BUDGETS * budget:
+                raise ApiError(429, f"the server is busy: {self.reserved} K/V positions are "
+                               f"running or queued, and this request's {sum(each)} would pass "
+                               f"{QUEUED_BUDGETS}x its budget of {budget}; retry later",
+                               "busy", kind="rate_limit_error", headers={"retry-after": "2"})
+        self.reserved += sum(each)
+        try:
+            yield
+        finally:
+            self.reserved -= sum(each)
 
     def open_episode(self, policy: Policy | None = None, seed: int | None = None) -> str:
         token = secrets.token_urlsafe(16)
@@ -127,6 +160,11 @@ async def run_choices(service: Service, prompt_ids: list[int], params: list[Samp
                       stops: list[str], on_delta=None) -> list[Choice]:
     """The engine's answers to one request (a choice per params), each choice's text cut at
     its first stop string; on_delta(choice) after each event with new text."""
+    with service.reserving(len(prompt_ids), params):
+        return await _run_choices(service, prompt_ids, params, stops, on_delta)
+
+
+async def _run_choices(service, prompt_ids, params, stops, on_delta) -> list[Choice]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     choices = [Choice(i, stops) for i in range(len(params))]
@@ -146,6 +184,8 @@ async def run_choices(service: Service, prompt_ids: list[int], params: list[Samp
             except TimeoutError:
                 raise ApiError(504, f"the engine sent nothing for {service.timeout_s:.0f}s",
                                "timeout", kind="server_error") from None
+            if isinstance(ev, RequestRefused):
+                raise ApiError(400, str(ev), "kv_budget_exceeded", "max_tokens")
             if isinstance(ev, BaseException):
                 raise ApiError(503, str(ev), "not_serving", kind="server_error")
             c = choices[i]

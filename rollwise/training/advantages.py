@@ -59,14 +59,24 @@ def get_token_shaping(name: str):
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor):
     """Per-sample mean and (unbiased) std of the sample's group. values (N,) -> (N,), (N,).
-    A group of one has std 0."""
+    A group of one has std 0; a group of equal values has exactly their value as its mean and
+    std 0, so r - mean is exactly 0 there (a float mean of six 0.3s misses by an ulp, and
+    dividing that by an std below eps would give the group a signal it does not have)."""
     _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(counts), dtype=values.dtype).index_add_(0, inverse, values)
-    mean = sums / counts
-    sq = torch.zeros(len(counts), dtype=values.dtype).index_add_(
+    k = len(counts)
+    sums = torch.zeros(k, dtype=values.dtype).index_add_(0, inverse, values)
+    lo = values.new_full((k,), math.inf).scatter_reduce_(0, inverse, values, "amin")
+    hi = values.new_full((k,), -math.inf).scatter_reduce_(0, inverse, values, "amax")
+    mean = torch.where(lo == hi, lo, sums / counts)
+    sq = torch.zeros(k, dtype=values.dtype).index_add_(
         0, inverse, (values - mean[inverse]) ** 2)
     std = (sq / (counts - 1).clamp_min(1)).sqrt()
     return mean[inverse], std[inverse]
+
+
+def flat_mean(values: torch.Tensor) -> torch.Tensor:
+    """values.mean(), exactly the value when all are equal (see group_stats)."""
+    return values[0] if values.numel() and bool((values == values[0]).all()) else values.mean()
 
 
 def _groups(group_index: torch.Tensor) -> list[torch.Tensor]:
@@ -77,9 +87,10 @@ def _groups(group_index: torch.Tensor) -> list[torch.Tensor]:
 
 
 def whiten(values: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the whole batch (unbiased std; one sample -> x - mean)."""
+    """(x - mean) / (std + eps) over the whole batch (unbiased std; one sample -> x - mean);
+    equal values give exactly 0."""
     std = values.std() if values.numel() > 1 else values.new_zeros(())
-    return (values - values.mean()) / (std + eps)
+    return (values - flat_mean(values)) / (std + eps)
 
 
 def _out(adv: torch.Tensor, keep: torch.Tensor | None = None, **metrics) -> AdvantageOutput:
@@ -210,12 +221,12 @@ def nudge_split(r: torch.Tensor, contexts: list[int]) -> tuple[torch.Tensor, tor
     """One group's rewards split as r - mean = intra + inter: a nudged rollout's intra part is
     r less its context's mean, its inter part that mean less the group's; a plain rollout
     (context -1) is all intra. Both (G,)."""
-    mean = r.mean()
+    mean = flat_mean(r)
     intra, inter = r - mean, torch.zeros_like(r)
     for c in set(contexts) - {-1}:
         at = torch.tensor([k == c for k in contexts])
-        intra[at] = r[at] - r[at].mean()
-        inter[at] = r[at].mean() - mean
+        intra[at] = r[at] - flat_mean(r[at])
+        inter[at] = flat_mean(r[at]) - mean
     return intra, inter
 
 
@@ -231,7 +242,7 @@ def nudge(x: AdvantageInputs, eps: float = 1e-5) -> AdvantageOutput:
     for idx in _groups(x.group_index):
         intra, inter = nudge_split(r[idx], [contexts[i] for i in idx.tolist()])
         a = intra + x.nudge_inter * inter
-        adv[idx] = (a - a.mean()) / (a.std(unbiased=False) + eps)
+        adv[idx] = (a - flat_mean(a)) / (a.std(unbiased=False) + eps)
         inter_abs.append(float(inter.abs().mean()))
     nudged = sum(c >= 0 for c in contexts) / max(len(contexts), 1)
     return _out(adv, nudged_share=nudged,

@@ -15,6 +15,8 @@ import math
 from collections import defaultdict
 from collections.abc import Hashable
 
+from rollwise.training.tree_credit import mean_of
+
 
 def reward_to_go(task_rewards: list[float], hint_rewards: list[float]
                  ) -> tuple[list[float], list[float]]:
@@ -35,7 +37,7 @@ def baseline_advantages(records: list[tuple[Hashable, float]]) -> list[float]:
     groups: dict[Hashable, list[float]] = defaultdict(list)
     for key, ret in records:
         groups[key].append(ret)
-    means = {k: sum(v) / len(v) for k, v in groups.items()}
+    means = {k: mean_of(v) for k, v in groups.items()}
     return [ret - means[key] for key, ret in records]
 
 

@@ -13,12 +13,18 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
+def mean_of(values: list[float]) -> float:
+    """The mean, exactly the value when every value is the same (a float sum of six 0.3s
+    divided by six misses 0.3 by an ulp, which would give a group of equal rewards a signal)."""
+    return values[0] if all(v == values[0] for v in values) else sum(values) / len(values)
+
+
 def sibling_advantages(rewards: list[float], anchors: list[Hashable]) -> list[float]:
     """Each continuation's reward minus the mean over the continuations of its anchor."""
     groups: dict[Hashable, list[float]] = defaultdict(list)
     for r, a in zip(rewards, anchors):
         groups[a].append(r)
-    return [r - sum(groups[a]) / len(groups[a]) for r, a in zip(rewards, anchors)]
+    return [r - mean_of(groups[a]) for r, a in zip(rewards, anchors)]
 
 
 @dataclass
@@ -59,7 +65,7 @@ def tree_advantages(records: list[TreeRecord]) -> list[list[tuple[int, float]]]:
         if node not in values:
             vs = [records[x].reward if kind == "leaf" else value(x)
                   for kind, x in branches[node]]
-            values[node] = sum(vs) / len(vs)
+            values[node] = mean_of(vs)
         return values[node]
 
     def baseline(node: Hashable) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollwise.bench import loop, trainer
+from rollwise.devices import native_bf16
 from tests.loop_helpers import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,9 +55,13 @@ def test_bench_trainer_arms_report_against_their_dtype_peak(tiny_config, capsys)
     fp32, bf16 = out["rows"]
     assert "error" not in fp32 and "error" not in bf16, out["rows"]
     assert fp32["tokens"] == bf16["tokens"]  # the same batch for every arm
-    assert bf16["peak_flops"] > fp32["peak_flops"] > 0  # each against its own dtype's peak
-    for r in (fp32, bf16):
+    assert bf16["peak_flops"] > 0 and fp32["peak_flops"] > 0  # each against its own peak
+    native = native_bf16("cpu")  # bf16 products in hardware outrun float32's; emulated, an
+    if native:  # n x n product is far below, and no ceiling on what the trainer's kernels reach
+        assert bf16["peak_flops"] > fp32["peak_flops"]
+    for r in (fp32, bf16) if native else (fp32,):
         assert r["tokens_per_s"] > 0 and 0 < r["of_peak"] < 1
+    assert bf16["tokens_per_s"] > 0 and bf16["of_peak"] > 0
 
 
 def test_bench_trainer_refuses_a_bad_arm_before_any_run(tiny_config):

@@ -207,6 +207,27 @@ def test_behaviour_logprobs_match_a_full_forward_pass_in_float32():
 
 
 @pytest.mark.integration  # compiles the bf16 graph: about 30 s on a cold compile cache
+def test_bf16_weights_are_packed_only_where_this_cpu_packs_them(monkeypatch):
+    """oneDNN packs bf16 weights only with AVX512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere (an
+    AMD EPYC without AVX512, many laptops) packing raised at the first step and took the
+    engine down. The probe says no there, and the graph runs on the live weights."""
+    from rollwise.engine import graph_model
+
+    def refuses(*a, **k):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                           "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+    model = contract.wild_model()[0].to(torch.bfloat16)
+    graph_model.bf16_packing_works.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuses)
+    try:
+        assert not graph_model.bf16_packing_works() and not graph_model.can_pack(model)
+        got = engine(model, graph="eager").generate([Request(PROMPTS[0], SAMPLED)])
+        assert len(got[0].token_ids) == SAMPLED.max_new_tokens
+    finally:
+        graph_model.bf16_packing_works.cache_clear()
+    assert not graph_model.can_pack(model.float())
+
+
 def test_behaviour_logprobs_in_bf16_are_as_close_as_the_runners():
     """bf16 logits hold 3 significant digits, and a cached decode rounds differently from a
     full forward pass: neither path is within 2e-3 of it (BENCHMARKS.md gives the measured

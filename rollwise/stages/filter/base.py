@@ -19,6 +19,9 @@ from rollwise.types import Problem
 TIMEOUT, CRASH, ERROR, BAD_OUTPUT = "timeout", "crash", "error", "bad_output"
 DEADLINE = "deadline"  # not scored: the whole batch's time (an evaluation's) ran out
 MAX_INFO_CHARS = 2_000  # a verdict's info (a reward's own, or a failure's reason) is cut here
+# a verdict's channels are kept with every sample, logged and written to the store: a reward
+# returning 100,000 of them would grow the run by gigabytes, so past these it fails the sample
+MAX_CHANNELS, MAX_CHANNEL_NAME_CHARS = 64, 100
 
 
 def clipped(info: Any) -> str:
@@ -95,6 +98,9 @@ def coerce(out: Any, channel: str) -> Verdict:
                                            f"{str(out)[:80]!r}, expected a number")
     if verdict.failed:
         return Verdict.failure(verdict.failed, verdict.info)
+    too_many = _channels_out_of_bounds(verdict.rewards)
+    if too_many:
+        return Verdict.failure(BAD_OUTPUT, f"{channel}: {too_many}")
     try:
         rewards = {str(k): float(v) for k, v in verdict.rewards.items()}
     except (TypeError, ValueError) as e:
@@ -104,6 +110,21 @@ def coerce(out: Any, channel: str) -> Verdict:
         what = f"non-finite {bad}" if bad else f"no {channel!r} channel in {sorted(rewards)}"
         return Verdict.failure(BAD_OUTPUT, f"{channel}: {what}")
     return Verdict(rewards, clipped(verdict.info))
+
+
+def _channels_out_of_bounds(rewards) -> str | None:
+    """Why a verdict's channels are past the bounds (MAX_CHANNELS, MAX_CHANNEL_NAME_CHARS),
+    or None; said before any value is converted."""
+    if not isinstance(rewards, dict):
+        return f"rewards must be a dict of channel -> number, not {type(rewards).__name__}"
+    if len(rewards) > MAX_CHANNELS:
+        return (f"returned {len(rewards)} reward channels, more than {MAX_CHANNELS}; return "
+                f"the few channels that train (and put the rest in the info text)")
+    long = next((k for k in rewards if len(str(k)) > MAX_CHANNEL_NAME_CHARS), None)
+    if long is not None:
+        return (f"a reward channel's name is {len(str(long))} characters "
+                f"({str(long)[:40]!r}...), more than {MAX_CHANNEL_NAME_CHARS}")
+    return None
 
 
 def score_checked(verifier: Verifier, items: list[Item]) -> list[Verdict]:

@@ -121,6 +121,27 @@ def test_a_huge_info_or_reason_is_cut_where_it_is_made(task, workers):
     assert s[1].status == Status.FAILED and "ValueError: eee" in s[1].reward_info
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_verdict_past_the_channel_bounds_fails_its_sample_with_the_reason(task, workers):
+    """A reward returning 100,000 channels grew the driver to 11 GB and wrote a 465 MB log for
+    one step: past MAX_CHANNELS (or a name past MAX_CHANNEL_NAME_CHARS) the sample fails with
+    a reason, in the worker before it crosses the pipe; 21 channels are kept."""
+    from rollwise.stages.filter.base import MAX_CHANNEL_NAME_CHARS, MAX_CHANNELS
+    p = task.eval[0]
+    s, probs, texts = samples_for([p], [["many-channels", "long-name", "some-channels"]])
+    stage = build_filter(FilterConfig(reward="filter_userfns:flaky", workers=workers), task)
+    try:
+        stage.score(s, probs, texts)
+    finally:
+        stage.close()
+    assert [x.status for x in s] == [Status.FAILED, Status.FAILED, Status.COMPLETED]
+    assert f"100001 reward channels, more than {MAX_CHANNELS}" in s[0].reward_info
+    assert "10000 characters" in s[1].reward_info and \
+        f"more than {MAX_CHANNEL_NAME_CHARS}" in s[1].reward_info
+    assert all(not x.rewards for x in s[:2])
+    assert len(s[2].rewards) == 21 and s[2].reward == 1.0
+
+
 def test_in_process_mode_isolates_failures_per_sample(task):
     p = task.eval[0]
     s, probs, texts = samples_for([p], [[p.solution, "raise", "garbage"]])
