@@ -200,6 +200,7 @@ def _chat(service: Service):
                             "logprobs": _chat_logprobs(service, c) if req.logprobs else None})
             return {**head, "object": "chat.completion", "choices": out,
                     "usage": usage(len(at.prompt_ids), sum(len(c.ids) for c in choices))}
+        service.check_room(len(at.prompt_ids), params)
         return StreamingResponse(_chat_stream(service, req, at, params, head, tools, message,
                                               finished), media_type="text/event-stream")
     return chat
@@ -351,6 +352,8 @@ def _completions(service: Service):
                 "model": service.model_name, "object": "text_completion"}
         budgets = [_budget(service, len(ids), req.max_tokens) for ids in prompts]
         if req.stream:
+            for ids, budget in zip(prompts, budgets):  # run one prompt at a time, as below
+                service.check_room(len(ids), _params(service, req, budget, 0, None))
             return StreamingResponse(_completion_stream(service, req, prompts, budgets, head),
                                      media_type="text/event-stream")
 

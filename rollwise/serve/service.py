@@ -98,28 +98,36 @@ class Service:
                            f"prompt has {chars} characters, more than any {self.max_context} "
                            f"tokens can hold", "context_length_exceeded", param)
 
+    def check_room(self, prompt_len: int, params: list[SamplingParams]) -> None:
+        """Refuse a request the K/V budget cannot take: 400 where one choice cannot fit it,
+        429 where the queue is full. Called before a stream begins too, so that a streamed
+        request gets its status rather than an error event after a 200."""
+        budget = self.kv_budget_tokens
+        if budget is None:
+            return
+        each = [prompt_len + p.max_new_tokens for p in params]
+        if -(-max(each) // LEN_ALIGN) * LEN_ALIGN > budget:
+            raise ApiError(400, f"one choice needs {max(each)} K/V positions (the prompt's "
+                           f"{prompt_len} + max_tokens {max(each) - prompt_len}); this "
+                           f"server's K/V budget holds {budget}: lower max_tokens",
+                           "kv_budget_exceeded", "max_tokens")
+        if self.reserved and self.reserved + sum(each) > QUEUED_BUDGETS * budget:
+            raise ApiError(429, f"the server is busy: {self.reserved} K/V positions are "
+                           f"running or queued, and this request's {sum(each)} would pass "
+                           f"{QUEUED_BUDGETS}x its budget of {budget}; retry later",
+                           "busy", kind="rate_limit_error", headers={"retry-after": "2"})
+
     @contextmanager
     def reserving(self, prompt_len: int, params: list[SamplingParams]):
         """Hold a request's K/V positions while it runs (on the event loop: no lock), or
-        refuse it: 400 where one choice cannot fit the budget, 429 where the queue is full."""
-        budget = self.kv_budget_tokens
-        each = [prompt_len + p.max_new_tokens for p in params]
-        if budget is not None:
-            if -(-max(each) // LEN_ALIGN) * LEN_ALIGN > budget:
-                raise ApiError(400, f"one choice needs {max(each)} K/V positions (the prompt's "
-                               f"{prompt_len} + max_tokens {max(each) - prompt_len}); this "
-                               f"server's K/V budget holds {budget}: lower max_tokens",
-                               "kv_budget_exceeded", "max_tokens")
-            if self.reserved and self.reserved + sum(each) > QUEUED_BUDGETS * budget:
-                raise ApiError(429, f"the server is busy: {self.reserved} K/V positions are "
-                               f"running or queued, and this request's {sum(each)} would pass "
-                               f"{QUEUED_BUDGETS}x its budget of {budget}; retry later",
-                               "busy", kind="rate_limit_error", headers={"retry-after": "2"})
-        self.reserved += sum(each)
+        refuse it (check_room)."""
+        self.check_room(prompt_len, params)
+        need = sum(prompt_len + p.max_new_tokens for p in params)
+        self.reserved += need
         try:
             yield
         finally:
-            self.reserved -= sum(each)
+            self.reserved -= need
 
     def open_episode(self, policy: Policy | None = None, seed: int | None = None) -> str:
         token = secrets.token_urlsafe(16)

@@ -347,6 +347,11 @@ def test_the_kv_budget_bounds_the_cache_refuses_what_cannot_fit_and_queues(chat_
         status, reply = post(server, json.dumps({**ASK, "max_tokens": 200}).encode())
         assert status == 400 and reply["error"]["code"] == "kv_budget_exceeded"
         assert "budget holds 100" in reply["error"]["message"]
+        for path, body in (("/v1/chat/completions", ASK),  # streamed: the status, not an
+                           ("/v1/completions", {"model": "m", "prompt": "12 + 7 ="})):  # event
+            status, reply = post(server, json.dumps({**body, "max_tokens": 200,
+                                                     "stream": True}).encode(), path)
+            assert status == 400 and reply["error"]["code"] == "kv_budget_exceeded"
         # the engine's own check, where the service's is bypassed: that request fails, the
         # engine serves on
         service.kv_budget_tokens = None
