@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
 
 ELF_MAGIC = b"\x7fELF"
+_repaired: set[Path] = set()  # caches already swept by this process
 
 
 def cache_dir() -> Path:
@@ -44,14 +46,14 @@ def is_damaged(path: Path) -> bool:
 
 
 def repair(root: Path | None = None) -> list[Path]:
-    """Remove the damaged shared objects under the cache (`root`, default cache_dir());
-    returns them. Files newer than a minute are left alone: another process may be writing
-    them now."""
+    """Remove the damaged shared objects under the cache (`root`, default cache_dir()), once
+    per process and cache; returns them. Files newer than a minute are left alone: another
+    process may be writing them now."""
     root = cache_dir() if root is None else root
-    removed = []
-    if not root.is_dir():
+    removed: list[Path] = []
+    if root in _repaired or not root.is_dir():
         return removed
-    import time
+    _repaired.add(root)
     recent = time.time() - 60
     for path in root.rglob("*.so"):
         try:

@@ -118,8 +118,9 @@ def _check_counts(data) -> None:
         return
     for key, bound in (("messages", MAX_MESSAGES), ("prompt", MAX_PROMPTS)):
         items = data.get(key)
-        if isinstance(items, list) and len(items) > bound and not (
-                key == "prompt" and all(isinstance(t, int) for t in items[:1])):
+        if not isinstance(items, list) or len(items) <= bound:
+            continue
+        if key != "prompt" or not isinstance(items[0], int):  # token ids: one prompt
             raise ApiError(400, f"{key}: {len(items)} items, more than the {bound} one "
                            f"request may hold", "too_many_items", key)
 

@@ -3,10 +3,10 @@ rounds, tests), or in the foreground (`rollwise serve`). Binding anywhere but th
 needs an API key, which every request must then carry.
 
 What a connection may hold is bounded: at most MAX_CONNECTIONS open (one past it is closed
-at once), and a request's head (the request line and headers) must
-arrive within HEADER_TIMEOUT_S of the connection's opening, or of its first byte on a kept-
-alive connection, else the connection is closed: a client that sends half a request, or
-nothing, holds no socket for long. The body's time is bounded by the gate (BODY_TIMEOUT_S)."""
+at once), and a request's head (the request line and headers) must arrive within
+HEADER_TIMEOUT_S of the connection's opening, or of its first byte on a kept-alive
+connection, else the connection is closed: a client that sends half a request, or nothing,
+holds no socket for long. The body's time is bounded by the gate (BODY_TIMEOUT_S)."""
 
 from __future__ import annotations
 
