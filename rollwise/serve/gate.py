@@ -38,7 +38,8 @@ class Gate:
         refusal = self._refusal(headers)
         if refusal is None:
             try:
-                body = await asyncio.wait_for(self._body(receive), self.body_timeout_s)
+                async with asyncio.timeout(self.body_timeout_s):  # a cancel kept, unlike wait_for
+                    body = await self._body(receive)
             except TimeoutError:
                 body = ApiError(408, f"the body did not arrive whole within "
                                 f"{self.body_timeout_s:.0f}s", "body_timeout")

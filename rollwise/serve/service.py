@@ -187,8 +187,9 @@ async def _run_choices(service, prompt_ids, params, stops, on_delta) -> list[Cho
     pending = len(streams)
     try:
         while pending:
-            try:
-                i, ev = await asyncio.wait_for(events.get(), service.timeout_s)
+            try:  # not wait_for: on 3.11 it drops a cancel that meets an event (a gone client)
+                async with asyncio.timeout(service.timeout_s):
+                    i, ev = await events.get()
             except TimeoutError:
                 raise ApiError(504, f"the engine sent nothing for {service.timeout_s:.0f}s",
                                "timeout", kind="server_error") from None
