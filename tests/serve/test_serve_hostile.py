@@ -3,9 +3,9 @@ timed: bodies that nest 100,000 levels deep or hold a lone surrogate get 400, no
 of 500,000 messages and a rendered prompt past the context are refused before they are
 built; half-sent requests and silent connections are closed after the head's deadline and
 open connections are capped; a body that never finishes gets 408; a non-streaming client that
-disconnects has its sequences aborted, even when the cancel meets an engine event; the K/V budget refuses a choice that
-cannot fit, holds the engine's cache within it, and answers 429 once the queue is full; a
-stop aborts the work in flight and ends the server in bounded time."""
+disconnects has its sequences aborted, even when the cancel meets an engine event; the K/V
+budget refuses a choice that cannot fit, holds the engine's cache within it, and answers 429
+once the queue is full; a stop aborts the work in flight and ends the server in bounded time."""
 
 import asyncio
 import json
