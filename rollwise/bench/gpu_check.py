@@ -95,6 +95,7 @@ def decode_launches(device: str, tiny: bool) -> dict:
                       "new_tokens": new},
             "first_run_s": first, "profiled_wall_s": wall, "forward_passes": passes,
             "graph_captures": engine.graph.captures if engine.graph else None,
+            "capture_note": engine.graph.capture_note if engine.graph else None,
             "host_launch_calls": calls,
             "host_launches_per_pass": sum(calls.values()) / passes if device != "cpu" else None,
             "device_kernels_per_pass": kernels / passes if device != "cpu" else None}

@@ -24,11 +24,14 @@ captured again). See graph_model.py for the CPU's packed weights.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from rollwise.engine.capture import CaptureFailed, CudaGraphs, capture_checked
 from rollwise.engine.graph_model import (
     GraphModel,
     build_prefill,
@@ -39,6 +42,8 @@ from rollwise.engine.graph_model import (
 from rollwise.engine.runner import SPARE_POSITIONS
 from rollwise.engine.sampling import logprobs_in_graph, sample_in_graph, stream_uniforms
 from rollwise.engine.scheduler import StepPlan
+
+log = logging.getLogger(__name__)
 
 KEY_ALIGN = 16  # a window attends over keys rounded up to this (CPU) ...
 CUDA_KEY_ALIGN = 128  # ... or this on CUDA, where each key bucket is a captured graph
@@ -163,8 +168,9 @@ class DecodeGraph:
             self._sample, self._logprobs = (torch.compile(f, fullgraph=True)
                                             for f in (sample_in_graph, logprobs_in_graph))
         self._states: dict[tuple, WindowState] = {}
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self._graphs: dict[tuple, Callable[[], None]] = {}  # bucket: its captured replay
+        self.capturer = CudaGraphs() if self.cuda else None  # None: passes run uncaptured
+        self.capture_note: str | None = None  # why captured graphs were given up, if they were
         self._cache_id: tuple | None = None
         self.captures = 0  # CUDA graphs captured so far (each bucket once per cache)
         self.segment = segment  # most passes in a window (the window buffers' length)
@@ -301,8 +307,8 @@ class DecodeGraph:
         key = (rows, keys, passes, max(stops, 1), variant)
         state = self._states.get(key)
         if state is None:
-            if not self.cuda:
-                self._states.clear()  # CPU: one state at a time, made per shape
+            if self.capturer is None:  # nothing holds a state's addresses: one at a time
+                self._states.clear()
             state = WindowState(rows, passes, keys, stops, variant, self._hidden_size(),
                                 self.device, next(self.runner.model.parameters()).dtype)
             self._states[key] = state
@@ -338,17 +344,22 @@ class DecodeGraph:
 
     def _run(self, st: WindowState, variant: Variant, steps: int) -> int:
         with compile_settings():
-            if self.cuda:
+            if self.capturer is not None and self.capture_note is None:
                 return self._replay(st, variant, steps)
-            for i in range(steps):
-                self._pass(st, variant)
-                if bool(st.done[:st.live].any()):  # a stop: end here, as the runner does
-                    return i + 1
-            return steps
+            return self._passes(st, variant, steps)
+
+    def _passes(self, st: WindowState, variant: Variant, steps: int, done: int = 0) -> int:
+        """Passes `done`..`steps` uncaptured, the host checking after each whether a row
+        stopped (free on a CPU; on CUDA a sync a pass, where captured graphs were given up)."""
+        while done < steps and not bool(st.done[:st.live].any()):  # a stop ends the window
+            self._pass(st, variant)  # there, as on the runner's path
+            done += 1
+        return done
 
     def _replay(self, st: WindowState, variant: Variant, steps: int) -> int:
         """CUDA: the first pass of a new bucket runs eagerly (it compiles and warms up), then
-        the pass is captured; every other pass is one graph replay, with no sync."""
+        is captured and checked (capture.py); every other pass is one graph replay, with no
+        sync. A capture that fails or disagrees gives up graphs for the run, said once."""
         cache = self.runner.cache
         cache_id = (cache.rows, cache.length, next(iter(cache.k.values())).data_ptr())
         if cache_id != self._cache_id:
@@ -356,26 +367,25 @@ class DecodeGraph:
             self._cache_id = cache_id
         key = (id(st), variant)
         done = 0
-        graph = self._graphs.get(key)
-        if graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._pass(st, variant)
-            torch.cuda.current_stream().wait_stream(stream)
-            done, ran = 1, st.last_logits
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):  # records, runs nothing
-                self._pass(st, variant)
-            self._graphs[key] = graph
+        replay = self._graphs.get(key)
+        if replay is None:
+            try:
+                replay = capture_checked(self.capturer, lambda: self._pass(st, variant), st)
+            except CaptureFailed as e:
+                self._give_up_capture(str(e))
+                return self._passes(st, variant, steps, done=1)
+            done = 1
+            self._graphs[key] = replay
             self.captures += 1
-            if steps == done:
-                st.last_logits = ran  # the captured pass has not run: the eager one's
         for _ in range(done, steps):
-            graph.replay()
+            replay()
         return steps
+
+    def _give_up_capture(self, reason: str) -> None:
+        self.capture_note = f"the CUDA graph of a decode pass: {reason}"
+        self._graphs.clear()
+        log.warning("engine: %s; decoding on without captured graphs (the same tokens, one "
+                    "host launch per kernel and a sync per pass)", self.capture_note)
 
     def _collect(self, st: WindowState, plan: StepPlan, passes: int) -> WindowOut:
         b = len(plan.decode)
