@@ -102,6 +102,7 @@ def initial_model(cfg: Config, task, progress: Progress, inputs: Inputs | None =
     if cfg.model.path and not cfg.sft.from_path:
         progress.log(f"initial model: {cfg.model.path}")
         return models.load_model(cfg.model.path, cfg.model.dtype, for_training=True)
+    progress.phase("warm_start")
     return warm_start(cfg, task, log=progress.log)
 
 
@@ -186,6 +187,7 @@ class Run:
         (self.dir / PYTHON_INPUTS).unlink(missing_ok=True)
         if inputs.given:  # so a stop says how to resume, and the CLI refuses at once
             (self.dir / PYTHON_INPUTS).write_text(json.dumps(inputs.given, indent=2))
+        progress.phase("load")
         model, self.tokenizer = initial_model(cfg, self.task, progress, inputs)
         self.model_source = model_source(cfg, self.task, inputs)
         model.to(self.device)
@@ -507,15 +509,16 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
         progress.phase("eval", run.eval_note())
         start = last_eval = run.evaluate()
         progress.log("held-out pass@1 at start: " + _fmt(start))
+        loading = progress.take_phase_metrics()  # loading, warm start and first evaluation
         progress.step(0, start)
         sinks = build_sinks(cfg, run.dir, log=progress.log)
-        sinks.write(0, {**start, "wall_seconds": time.time() - wall0})
+        sinks.write(0, {**start, **loading, "wall_seconds": time.time() - wall0})
     else:
         loop = run.restore(found)
         start, last_eval, wall0 = loop["start_eval"], loop["last_eval"], wall0 - loop["wall"]
         progress.log(f"resumed from {found.path} (step {found.step})")
         sinks = build_sinks(cfg, run.dir, log=progress.log, resume_step=found.step)
-    progress.take_phase_seconds()  # warm start and first eval are not step 1's phases
+    progress.take_phase_metrics()  # what came before step 1 is not its phases
     every, stopped = cfg.run.checkpoint_every, None
     queued = [] if found is None else loop.get("queued", [])
     pipeline = None
@@ -536,7 +539,7 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
                         last_eval = run.evaluate()
                     m.update(last_eval)
                     m["perf/eval_seconds"] = time.time() - t_eval
-                m.update(progress.take_phase_seconds())
+                m.update(progress.take_phase_metrics())
                 m["wall_seconds"] = time.time() - wall0
                 sinks.write(step, m)
                 progress.step(step, m)

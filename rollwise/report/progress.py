@@ -3,8 +3,9 @@
 The display shows the step, the phase the loop is in (generate / score / train / sync / eval),
 reward, held-out pass@1 (the latest evaluation), generated tokens per second, the share of
 informative groups (mixed rewards, so a non-zero GRPO advantage), and the time left. The
-phase calls also time the phases: `take_phase_seconds()` hands the loop each phase's seconds
-since the last call, as perf/phase/<name>_seconds metrics.
+phase calls also time the phases and book their peak memory: `take_phase_metrics()` hands the
+loop each phase's seconds and peak RSS since the last call, as perf/phase/<name>_seconds and
+memory/phase/<name>_peak_gib (memory.py), with the process's peak so far, memory/peak_gib.
 
     progress = Progress("plain", total=60)   # or "rich", "quiet", "auto"
 
@@ -21,6 +22,8 @@ import sys
 import threading
 import time
 from typing import Callable
+
+from rollwise.report.memory import PhaseMemory
 
 KEYS = [("reward", "reward/mean", "{:.3f}"), ("pass@1", "eval/pass1", "{:.3f}"),
         ("tok/s", "perf/gen_tokens_per_s", "{:.0f}"),
@@ -54,6 +57,7 @@ class Progress:
         self.current_phase = ""
         self._phase_t0 = time.time()
         self._phase_seconds: dict[str, float] = {}
+        self.memory = PhaseMemory()
         self._t_first: float | None = None  # time of the first step() call: the ETA's origin
         self._step_first = 0
         self._bar = None
@@ -105,6 +109,7 @@ class Progress:
     # ----------------------------------------------------------------------- phases
 
     def _close_phase(self, now: float) -> None:
+        self.memory.close_phase(self.current_phase)
         if self.current_phase:
             dt = now - self._phase_t0
             self._phase_seconds[self.current_phase] = \
@@ -146,13 +151,14 @@ class Progress:
                 last = (key, due)
                 print(f"  ... {self.phase_text()}", file=self.stream, flush=True)
 
-    def take_phase_seconds(self) -> dict[str, float]:
-        """Seconds spent in each phase since the last call, as perf/phase/<name>_seconds."""
+    def take_phase_metrics(self) -> dict[str, float]:
+        """Seconds spent in each phase since the last call, as perf/phase/<name>_seconds, and
+        each phase's peak RSS with the process's (memory.py)."""
         with self._lock:
             self._close_phase(time.time())
         out = {f"perf/phase/{k}_seconds": v for k, v in self._phase_seconds.items()}
         self._phase_seconds = {}
-        return out
+        return out | self.memory.take()
 
     # ------------------------------------------------------------------------ steps
 
@@ -182,6 +188,7 @@ class Progress:
 
     def close(self) -> None:
         self._stopped.set()
+        self.memory.close()
         if self._bar is not None:
             self._live.stop()
             self._bar = None

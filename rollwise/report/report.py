@@ -103,6 +103,7 @@ SUMMARY = [  # label, value of a run, format
     ("best held-out pass@1", lambda r: _pass1(r, "best"), "{:.3f}"),
     ("mean reward, last step", lambda r: _last(r, "reward/mean"), "{:.3f}"),
     ("wall time, whole run (s)", lambda r: _last(r, "wall_seconds"), "{:,.1f}"),
+    ("peak resident memory (GiB)", lambda r: _max(r, "memory/peak_gib"), "{:.2f}"),
     ("wall time since step 0 (s)", lambda r: _since_start(r), "{:,.1f}"),
     ("tokens generated", lambda r: sum(r.series("tokens/generated")[1]), "{:,.0f}"),
     ("tokens trained on", lambda r: sum(r.token_categories().get("trained", [])), "{:,.0f}"),
@@ -134,6 +135,26 @@ def token_rows(runs: list[RunData]) -> tuple[list[str], list[list]]:
         rows.append(["held over after the last step (paused, not yet scored)",
                      *[f"{(r.held_over() or [0])[-1]:,.0f}" for r in runs]])
     return ["category", *[r.name for r in runs]], rows
+
+
+def _max(run: RunData, key: str):
+    vals = run.series(key)[1]
+    return max(vals) if vals else None
+
+
+def memory_rows(runs: list[RunData]) -> tuple[list[str], list[list]] | None:
+    """Each phase's peak resident memory over the run (GiB), and the process's."""
+    keys = list(dict.fromkeys(k for r in runs for row in r.rows for k in row
+                              if k.startswith("memory/phase/")))
+    if not keys:
+        return None
+    rows = []
+    for key in keys + ["memory/peak_gib"]:
+        name = key.removeprefix("memory/phase/").removesuffix("_peak_gib")
+        label = "whole process" if key == "memory/peak_gib" else name.replace("_", " ")
+        rows.append([label, *["–" if (v := _max(r, key)) is None else f"{v:.2f}"
+                              for r in runs]])
+    return ["phase", *[r.name for r in runs]], rows
 
 
 def _flatten(d, prefix: str = "") -> dict[str, object]:
@@ -212,6 +233,13 @@ def render(runs: list[RunData], extra: list[str] = ()) -> str:
             f"<div class='sub'>written {time.strftime('%Y-%m-%d %H:%M:%S')} from "
             + ", ".join(html.escape(str(r.dir)) for r in runs) + "</div>",
             "<h2>Summary</h2>", table_html(*summary_rows(runs))]
+    memory = memory_rows(runs)
+    if memory:
+        body += ["<h2>Peak resident memory (GiB)</h2>",
+                 "<p class='note'>The largest resident memory of the process in each phase, "
+                 "as the kernel counts it (a phase that set the process's peak reads the "
+                 "kernel's high-water mark; the others, RSS sampled every 10 ms).</p>",
+                 table_html(*memory)]
     for title, plot, note in SECTIONS:
         body += [f"<h2>{html.escape(title)}</h2>", f"<p class='note'>{html.escape(note)}</p>",
                  figure_html(plot(runs), title)]

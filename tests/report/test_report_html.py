@@ -225,3 +225,24 @@ def test_a_stopped_run_says_how_many_steps_and_where_its_last_evaluation_was(tmp
     page = write_report([d]).read_text()
     assert "<td>training steps</td><td>2 of 40</td>" in page
     assert "<td>held-out pass@1 at the last evaluation</td><td>0.250 (step 0)</td>" in page
+
+
+@pytest.mark.integration
+def test_every_phase_books_its_peak_memory_and_the_report_shows_it(run_dir):
+    """Step 0 carries loading, the warm start and the first evaluation; each training step
+    its generation, scoring, update and sync; no phase above the process's peak."""
+    rows = metrics(run_dir)
+    phases = lambda row: {k.removeprefix("memory/phase/").removesuffix("_peak_gib")  # noqa: E731
+                          for k in row if k.startswith("memory/phase/")}
+    assert {"load", "warm_start", "eval"} <= phases(rows[0])
+    for row in rows[1:]:
+        assert {"generate", "score", "train", "sync"} <= phases(row)
+        assert ("eval" in phases(row)) == ("eval/pass1" in row)
+    for row in rows:
+        peaks = [v for k, v in row.items() if k.startswith("memory/phase/")]
+        assert 0 < max(peaks) <= row["memory/peak_gib"]
+    page = (run_dir / "report.html").read_text()
+    whole = max(r["memory/peak_gib"] for r in rows)
+    assert "Peak resident memory (GiB)" in page
+    assert re.search(rf"<td>whole process</td><td>{whole:.2f}</td>", page)
+    assert re.search(rf"<td>peak resident memory \(GiB\)</td><td>{whole:.2f}</td>", page)
