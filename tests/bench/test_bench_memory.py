@@ -1,0 +1,44 @@
+"""`rollwise bench memory`: a config's run in a fresh process, each phase's peak from its
+metrics, the whole process's from the kernel's accounting of the child."""
+
+import json
+import sys
+
+import pytest
+
+from rollwise.bench import memory
+from rollwise.bench.gpu_check import TINY_RUN
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@pytest.mark.integration  # a tiny run in a child process: about 20 s
+def test_every_phase_has_a_peak_and_the_kernel_agrees(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    assert memory.main(["--steps", "1", "--root", str(tmp_path), "--json", str(out),
+                        *TINY_RUN]) == 0
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    assert {"load", "warm_start", "eval", "generate", "score", "train", "sync"} <= set(phases)
+    assert phases["generate"]["step"] == 1 and phases["load"]["step"] == 0
+    peak = max(p["peak_gib"] for p in phases.values())
+    # the run's own figure is the kernel's high-water mark read before it exited
+    assert peak <= result["peak_gib"] <= result["kernel_peak_gib"] + 1e-9
+    assert result["kernel_peak_gib"] - result["peak_gib"] < 0.25  # only the final save after
+    rows = [json.loads(x) for x in open(tmp_path / "default-memory" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1] and "eval/pass1" in rows[1]
+    printed = capsys.readouterr().out
+    assert "whole process" in printed and "warm_start" in printed
+
+
+def test_bad_arguments_are_refused_before_any_run(capsys):
+    with pytest.raises(SystemExit):
+        memory.main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        memory.main(["not-an-override"])
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_failed_run_says_so_with_its_log(tmp_path, capsys):
+    assert memory.main(["--root", str(tmp_path), "no.such_key=1"]) == 1
+    assert "the run failed" in capsys.readouterr().err
