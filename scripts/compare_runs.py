@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 TIMING = ("perf/", "wall_seconds", "sync/seconds", "sync/encode_seconds", "sync/apply_seconds",
-          "sync/verify_seconds", "phase/")
+          "sync/verify_seconds", "phase/", "memory/")
 
 
 def rows(run: Path) -> list[dict]:

@@ -34,12 +34,13 @@ from rollwise.store.killpoint import ENV, PHASES
 from rollwise.store.rollouts import RolloutStore
 
 
-def is_timing(key: str) -> bool:
-    return key.startswith("perf/") or key.endswith("seconds")
+def is_measured(key: str) -> bool:
+    """A figure of the machine (time, resident memory), not of the run's content."""
+    return key.startswith(("perf/", "memory/")) or key.endswith("seconds")
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not is_timing(k)}
+    return [{k: v for k, v in r.items() if not is_measured(k)}
             for r in read_metrics(run_dir / "metrics.jsonl")]
 
 

@@ -107,6 +107,12 @@ class Engine(abc.ABC):
     def sleep(self) -> None:
         """Free the accelerator memory generation holds while the trainer runs (vLLM)."""
 
+    def release_idle_memory(self) -> bool:
+        """With nothing waiting, running or paused, give back the memory generation holds
+        (the built-in engine's K/V cache on a CPU) so the update can use it; it is allocated
+        again at the next pass. Whether anything was released."""
+        return False
+
     def close(self) -> None:
         """Release what the engine holds (a child process, Ray actors, a vLLM server)."""
 

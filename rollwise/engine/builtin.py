@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from rollwise.devices import release_freed_memory
 from rollwise.engine import compile_cache
 from rollwise.engine.adapters import AdapterSpec, MergedAdapters
 from rollwise.engine.base import Completion, Engine, Request, SparseUpdate
@@ -166,6 +167,20 @@ class BuiltinEngine(Engine):
     @property
     def answers_finished(self) -> int:
         return self.scheduler.finished
+
+    def release_idle_memory(self) -> bool:
+        """On a CPU, between steps: the K/V cache and the decode windows' buffers are freed
+        and their pages handed back to the OS (a GPU's are kept: its graphs are captured on
+        them). Nothing is freed while a sequence is waiting, running or paused."""
+        s = self.scheduler
+        if (self.runner.device.type != "cpu" or s.has_work() or s.paused or self._ready
+                or not self.runner.cache.k):
+            return False
+        self.runner.cache.resize(0, 0)
+        if self.graph is not None:
+            self.graph.release()
+        release_freed_memory()
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._ready)

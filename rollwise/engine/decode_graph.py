@@ -276,6 +276,12 @@ class DecodeGraph:
         self.runner.cache.allocate(len(self.model.weights.layers), s.kv_heads, s.head_dim,
                                    p.dtype, p.device)
 
+    def release(self) -> None:
+        """Forget the windows' buffers and captured graphs (the cache they used is gone)."""
+        self._states.clear()
+        self._graphs.clear()
+        self._cache_id = None
+
     def refresh(self, force: bool = False) -> None:
         """Bring the weights up to date (packed copies of any weight written since, or all
         with `force`); drop captured graphs if a weight moved to new memory (model.to)."""

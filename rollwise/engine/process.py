@@ -98,6 +98,9 @@ class EngineProcess(Engine):
     def reset_prefix_cache(self) -> None:
         self.call("reset_prefix_cache")
 
+    def release_idle_memory(self) -> bool:
+        return self.call("release_idle_memory")
+
     def use_adapters(self, spec) -> None:
         self.call("use_adapters", spec)
 

@@ -25,12 +25,13 @@ import torch
 
 from rollwise import models
 from rollwise.config import Config, ConfigError, dump_config
-from rollwise.devices import resolve_device
+from rollwise.devices import release_freed_memory, resolve_device
 from rollwise.engine.backends import build_engine
 from rollwise.evaluate import scoring_bounded
 from rollwise.loop.async_ import Pipeline
 from rollwise.loop.metrics import StepResult, step_metrics
 from rollwise.numerics import reproducibility_note
+from rollwise.report.memory import GIB, high_water_bytes
 from rollwise.report.progress import Progress
 from rollwise.report.sinks import build_sinks
 from rollwise.run_inputs import PYTHON_INPUTS, resume_hint
@@ -298,8 +299,10 @@ class Run:
         t1 = time.time()
         self.train_step = r.step
         self.engine.sleep()  # a GPU shared with the trainer (vLLM)
+        self.give_back_memory(engine=push is None)  # async: the producer is using the engine
         self.progress.phase("train")
         r.train = self.trainer.update(r.trained, r.dropped)                    # train
+        self.give_back_memory()
         r.seconds["train"], r.version = time.time() - t1, self.trainer.version
         self.progress.phase("sync")
         r.sync = (push or self.sync.push)()                                    # sync
@@ -308,6 +311,15 @@ class Run:
         # steps' work in the asynchronous loop)
         r.seconds["step"] = r.seconds["gen"] + time.time() - t1
         return r
+
+    def give_back_memory(self, engine: bool = False) -> None:
+        """run.trim_memory: the allocator's free pages back to the OS, and with `engine` (only
+        where nothing else is using it) the engine's idle K/V cache first."""
+        if not self.cfg.run.trim_memory:
+            return
+        if engine:
+            self.engine.release_idle_memory()  # (in an engine process: that process's pages)
+        release_freed_memory()
 
     def extend(self, groups: list[Group], r: StepResult, ledger: Ledger) -> None:
         """The sizer's extra samples for scored groups (DARS), generated, scored and merged
@@ -508,6 +520,7 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
     if found is None:
         progress.phase("eval", run.eval_note())
         start = last_eval = run.evaluate()
+        run.give_back_memory(engine=True)
         progress.log("held-out pass@1 at start: " + _fmt(start))
         loading = progress.take_phase_metrics()  # loading, warm start and first evaluation
         progress.step(0, start)
@@ -535,8 +548,9 @@ def _run_loop(run: Run, cfg: Config, progress: Progress, found, wall0: float) ->
                 if step % cfg.run.eval_every == 0 or step == cfg.train.steps:
                     progress.phase("eval", run.eval_note())
                     t_eval = time.time()
-                    with idle():
+                    with idle():  # the producer, if any, is parked between its steps
                         last_eval = run.evaluate()
+                        run.give_back_memory(engine=True)
                     m.update(last_eval)
                     m["perf/eval_seconds"] = time.time() - t_eval
                 m.update(progress.take_phase_metrics())
@@ -582,7 +596,8 @@ def _finished(run: Run, cfg: Config, progress: Progress, start: dict, last_eval:
                      f"export {run.dir / 'model'} --merge --out DIR'")
     summary = {"eval_pass1_start": start["eval/pass1"], "eval_pass1_end": last_eval["eval/pass1"],
                "eval_start": start, "eval_end": last_eval, "steps": cfg.train.steps,
-               **run.totals, "wall_seconds": time.time() - wall0, "run_dir": str(run.dir)}
+               **run.totals, "wall_seconds": time.time() - wall0, "run_dir": str(run.dir),
+               "memory_peak_gib": high_water_bytes() / GIB}  # the final save's included
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.run.report:
         write_report_safely(run.dir, progress.log)

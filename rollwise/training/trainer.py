@@ -754,6 +754,9 @@ class Trainer:
         self.optimizer.step()
         if self.master:
             self.master.master_to_model()
+        if self.cfg.release_grads:  # the next minibatch writes them afresh (zeros where none)
+            for p in params:
+                p.grad = None
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)

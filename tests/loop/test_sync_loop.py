@@ -6,6 +6,7 @@ import json
 import pytest
 
 from rollwise import models
+from rollwise.bench.crash import is_measured
 from rollwise.config import ModelConfig, load_config
 from rollwise.loop.run import train
 
@@ -32,7 +33,7 @@ def test_a_run_with_the_engine_in_a_child_process_matches_in_process(tmp_path, m
         train(cfg)
         rows = [json.loads(line) for line in open(tmp_path / transport / "metrics.jsonl")]
         metrics[transport] = [{k: v for k, v in r.items()
-                               if "seconds" not in k and "per_s" not in k} for r in rows]
+                               if not is_measured(k)} for r in rows]
     assert metrics["inproc"] == metrics["process"]
     trained = [r for r in metrics["process"] if "train/loss" in r]
     assert len(trained) == 3 and all(r["sync/sparse"] == 1.0 for r in trained[1:])

@@ -244,3 +244,25 @@ def test_a_parameter_without_a_gradient_gets_a_zero_master_gradient():
         assert not grads[2].any() and not grads[3].any()
         if step == 0:
             grads[2].fill_(7.0)  # a stale value from an earlier step is not kept
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_released_gradients_leave_nothing_between_updates_and_change_nothing(tiny, groups,
+                                                                             dtype):
+    """train.release_grads: no gradient (nor fp32 master gradient) lives between updates, and
+    three updates end on the weights and metrics of the buffers kept."""
+    from rollwise import models
+    model, tok = tiny
+    model = models.to_dtype(copy.deepcopy(model), dtype, for_training=True)
+    runs = {}
+    for release in (True, False):
+        trainer = Trainer(copy.deepcopy(model), TrainConfig(minibatches=2, release_grads=release),
+                          pad_id=tok.pad_token_id)
+        metrics = [trainer.update(clone(groups)) for _ in range(3)]
+        held = [p for p in trainer.params() + list(trainer.model.parameters())
+                if p.grad is not None]
+        runs[release] = (trainer, metrics, held)
+    assert runs[True][2] == [] and runs[False][2] != []
+    assert runs[True][1] == runs[False][1]
+    for p, q in zip(runs[True][0].params(), runs[False][0].params()):
+        assert torch.equal(p, q)
