@@ -980,17 +980,19 @@ class TrainConfig(Section):
     max_tokens_per_microbatch: Annotated[int, Field(gt=0)] | Literal["auto"] | None = "auto"
     """Token budget of one forward pass (rows x their longest sequence, padded): micro-batches
     and the log-probability passes are cut to fit it, so a batch of long responses fits in
-    memory; the gradient is the same. 'auto': what fits in half the device's total memory
-    after the weights, gradients and optimizer state, by the model's shape (the same on
-    every run on one machine, whatever else it runs). None: no bound (micro_batch_size
+    memory; the gradient is the same. 'auto': on a CPU, what fits in run.memory_gib after
+    the weights, gradients, optimizer state and K/V cache, at most 4,096 tokens (larger
+    passes are no faster there); on a GPU, what fits in half its memory after the weights,
+    gradients and optimizer state, by the model's shape. None: no bound (micro_batch_size
     alone)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (less memory, ~30%
     more compute); Hugging Face models' gradient_checkpointing_enable."""
     release_grads: bool = True
-    """Free the gradients (with fp32 masters: their fp32 buffers) after each optimizer step
+    """Free the gradients (with fp32 masters: their fp32 buffers) at the end of each update
     instead of keeping them until the next: 4 bytes a trained parameter given back during
-    generation and evaluation (0.5 GiB for SmolLM2-135M), allocated again at the next update."""
+    generation and evaluation (0.5 GiB for SmolLM2-135M), allocated again at the next update
+    (an update's minibatches reuse them)."""
     dual_clip_c: float = Field(3.0, gt=1)
     """Dual-clip bound on negative-advantage tokens (loss 'dual_clip')."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -1254,6 +1256,12 @@ class RunConfig(Section):
     """Start RL from this model folder instead of the (cached) warm start."""
     threads: int = Field(0, ge=0)
     """torch CPU threads; 0 keeps torch's default."""
+    memory_gib: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
+    """A CPU run's memory budget (GiB of resident memory): the built-in engine's K/V cache
+    (and so an evaluation's batch) and the update's micro-batch tokens are sized within it,
+    after the weights, gradients and optimizer state; a budget that cannot hold them is
+    refused before any work. auto: 3/4 of the memory available at the start. Either way the
+    sizes stay at what pays (a step's sequences; 4,096-token micro-batches)."""
     trim_memory: bool = True
     """Between phases of the synchronous loop, give back what the last one freed: the
     built-in engine's K/V cache during the update (on a CPU), and the allocator's free pages

@@ -30,6 +30,7 @@ from rollwise.engine.backends import build_engine
 from rollwise.evaluate import scoring_bounded
 from rollwise.loop.async_ import Pipeline
 from rollwise.loop.metrics import StepResult, step_metrics
+from rollwise.memory_budget import sized_for_memory
 from rollwise.numerics import reproducibility_note
 from rollwise.report.memory import GIB, high_water_bytes
 from rollwise.report.progress import Progress
@@ -162,9 +163,11 @@ class Run:
 
     def __init__(self, cfg: Config, progress: Progress, resume: bool = False,
                  inputs: Inputs | None = None):
-        self.cfg, self.progress, self.closed = cfg, progress, False
+        self.progress, self.closed = progress, False
         inputs = inputs or Inputs()
         self.device = preflight(cfg, inputs)
+        # the memory budget's sizes, in the config the run records (before any work)
+        self.cfg = cfg = sized_for_memory(cfg, self.device, progress.log, inputs.model)
         self.task = load_task(cfg.task, inputs.rows, inputs.eval_rows)  # bad rows: before work
         check_generator(build_generator(cfg, tokenizer_for(cfg, inputs)), self.task, cfg)
         seed_everything(cfg.run.seed)

@@ -8,6 +8,8 @@ is left, over the activations a token keeps for the backward pass, is the budget
 
 The budget depends on the device's total memory, not on what is free at the moment: a run's
 micro-batches (and so its float rounding) are then the same whatever else the machine runs.
+On a CPU it is at most AUTO_MAX_TOKENS (memory_budget.py), where larger passes stop paying;
+a CPU run sizes it within run.memory_gib instead (rollwise.memory_budget).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from rollwise.memory_budget import AUTO_MAX_TOKENS
 
 TRAINER_SHARE = 0.5  # of the device's memory
 MIN_TOKENS = 1024  # never cut passes smaller than this; a longer row goes alone anyway
@@ -73,4 +77,5 @@ def auto_token_budget(model, *, checkpointing: bool, reference: bool,
     memory = device_memory(p.device) if memory is None else memory
     left = TRAINER_SHARE * memory - state_bytes(model, reference)
     per_token = activation_bytes_per_token(model.config, p.element_size(), checkpointing)
-    return max(MIN_TOKENS, int(left // per_token))
+    fits = max(MIN_TOKENS, int(left // per_token))
+    return min(fits, AUTO_MAX_TOKENS) if p.device.type == "cpu" else fits

@@ -686,7 +686,15 @@ class Trainer:
         metrics["train/minibatches"] = float(n_mb)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self._step_schedule()
+        if self.cfg.release_grads:  # (kept between an update's minibatches, reused there)
+            self.release_grads()
         return metrics
+
+    def release_grads(self) -> None:
+        """Free every gradient buffer until the next update writes them afresh."""
+        for p in self.params():
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_steps(self, n_groups: int) -> int:
         """Optimizer steps of an update on n_groups groups, before each epoch repeats them."""
@@ -754,9 +762,6 @@ class Trainer:
         self.optimizer.step()
         if self.master:
             self.master.master_to_model()
-        if self.cfg.release_grads:  # the next minibatch writes them afresh (zeros where none)
-            for p in params:
-                p.grad = None
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         out.update(loss=total, grad_norm=float(grad_norm), lr_scale=scale, skipped_frac=0.0)

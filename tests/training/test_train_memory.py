@@ -207,7 +207,8 @@ def test_the_fused_optimizer_and_foreach_master_copies_step_as_the_per_tensor_lo
     rounding (1e-4 of the distance six steps can move a weight); the masters' gradient
     buffers are reused, not reallocated."""
     model, tok = tiny
-    fast = Trainer(copy.deepcopy(model).to(dtype), TrainConfig(lr=1e-3, minibatches=2),
+    fast = Trainer(copy.deepcopy(model).to(dtype), TrainConfig(lr=1e-3, minibatches=2,
+                                                               release_grads=False),
                    pad_id=tok.pad_token_id)
     assert fast.optimizer.defaults["fused"] is True
     buffers = None

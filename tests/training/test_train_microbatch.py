@@ -65,8 +65,11 @@ def test_state_bytes_count_weights_gradients_masters_and_moments():
     assert state_bytes(model, reference=False) == 33 * 2 + 3 * 2 + 3 * 4 * 4
 
 
-def test_the_budget_follows_memory_checkpointing_and_the_reference(tiny):
+def test_the_budget_follows_memory_checkpointing_and_the_reference(tiny, monkeypatch):
     model = tiny[0]
+    assert auto_token_budget(model, checkpointing=False, reference=False,
+                             memory=2 ** 40) == microbatch.AUTO_MAX_TOKENS  # a CPU's cap
+    monkeypatch.setattr(microbatch, "AUTO_MAX_TOKENS", 10 ** 12)  # the formula below it
     per = activation_bytes_per_token(model.config, 4, False)
     base = auto_token_budget(model, checkpointing=False, reference=False, memory=2 ** 32)
     more = auto_token_budget(model, checkpointing=False, reference=False, memory=2 ** 33)
