@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from rollwise.errors import ConfigError
+from rollwise.training.microbatch import AUTO_MAX_TOKENS, activation_bytes_per_token
 
 GIB = 2 ** 30
 RUNTIME_BYTES = int(0.6 * GIB)  # Python, torch, transformers, the tokenizer, the task
 AUTO_SHARE = 0.75  # run.memory_gib=auto: of the memory available when the run starts
-AUTO_MAX_TOKENS = 4096  # micro-batch tokens where a larger pass stops paying on a CPU
 PROMPT_ALLOWANCE = 256  # K/V positions counted for a prompt before it is tokenized
 
 
@@ -47,7 +47,6 @@ class ModelShape:
 
 def shape_of(model, cfg) -> ModelShape:
     from rollwise.engine.sizing import kv_bytes_per_token
-    from rollwise.training.microbatch import activation_bytes_per_token
     params = sum(p.numel() for p in model.parameters())
     size = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     trainable = _lora_params(model, cfg) if cfg.train.lora.rank else params

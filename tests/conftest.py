@@ -36,6 +36,34 @@ def pytest_cmdline_main(config):
         config.option.numprocesses, config.option.dist = cores, "loadfile"
 
 
+_PEAK = {"gib": 0.0, "test": ""}  # this process's peak RSS and the test that last raised it
+
+
+def pytest_runtest_teardown(item):
+    from rollwise.report.memory import GIB, high_water_bytes
+    now = high_water_bytes() / GIB
+    if now > _PEAK["gib"]:
+        _PEAK.update(gib=now, test=item.nodeid)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand it to the controller
+        session.config.workeroutput["peak_rss"] = dict(_PEAK)
+
+
+def pytest_testnodedown(node, error):
+    peak = getattr(node, "workeroutput", {}).get("peak_rss")
+    if peak:
+        node.config._peaks = getattr(node.config, "_peaks", []) + [peak]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Each test process's peak resident memory, and the test that set it."""
+    for p in getattr(config, "_peaks", None) or ([_PEAK] if _PEAK["test"] else []):
+        terminalreporter.write_line(f"peak resident memory of a test process: "
+                                    f"{p['gib']:.2f} GiB (set in {p['test']})")
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--unit"):
         return

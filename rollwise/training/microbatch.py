@@ -8,7 +8,7 @@ is left, over the activations a token keeps for the backward pass, is the budget
 
 The budget depends on the device's total memory, not on what is free at the moment: a run's
 micro-batches (and so its float rounding) are then the same whatever else the machine runs.
-On a CPU it is at most AUTO_MAX_TOKENS (memory_budget.py), where larger passes stop paying;
+On a CPU it is at most AUTO_MAX_TOKENS, where larger passes stop paying;
 a CPU run sizes it within run.memory_gib instead (rollwise.memory_budget).
 """
 
@@ -18,10 +18,9 @@ import os
 
 import torch
 
-from rollwise.memory_budget import AUTO_MAX_TOKENS
-
 TRAINER_SHARE = 0.5  # of the device's memory
 MIN_TOKENS = 1024  # never cut passes smaller than this; a longer row goes alone anyway
+AUTO_MAX_TOKENS = 4096  # on a CPU: where a larger pass stops paying (BENCHMARKS.md)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
