@@ -100,3 +100,30 @@ def test_packing_stays_on_in_bf16_and_off_for_a_model_that_ignores_its_mask(fold
     model.forward = ignores_mask
     with pytest.warns(RuntimeWarning, match="on average"):
         assert _bf16_update(model, tok.pad_token_id)._pack is False
+
+
+# configs/smollm2.yaml at its step's full shape (16 prompts x 8 answers of up to 128 tokens),
+# one step and a small evaluation, in a process of its own. Its peak was 4.86 GiB when measured
+# (AMD EPYC; docs/benchmarks/memory.md); the bound leaves 13 % for allocator and library drift.
+PEAK_BOUND_GIB = 5.5
+
+
+def test_the_smollm2_config_stays_within_its_measured_memory(tmp_path):
+    from rollwise.bench import memory
+    out = tmp_path / "memory.json"
+    assert memory.main(["--config", str(ROOT / "configs/smollm2.yaml"), "--steps", "1",
+                        "--root", str(tmp_path), "--json", str(out), "task.eval_size=40"]) == 0
+    result = json.loads(out.read_text())
+    assert {"load", "eval", "generate", "score", "train", "sync"} <= set(result["phases"])
+    assert result["kernel_peak_gib"] <= PEAK_BOUND_GIB, result
+
+
+def test_a_memory_budget_that_cannot_hold_smollm2_is_refused_before_any_work(tmp_path):
+    from rollwise.errors import ConfigError
+    from rollwise.loop.run import train
+    cfg = load_config(ROOT / "configs/smollm2.yaml", [f"run.root={tmp_path}",
+                                                      "run.memory_gib=2"])
+    with pytest.raises(ConfigError, match=r"run.memory_gib: 2.00 GiB cannot hold this run: "
+                                          r"its model alone takes 3\.\d\d GiB"):
+        train(cfg)
+    assert list(tmp_path.iterdir()) == []  # no run folder, nothing loaded
