@@ -6,7 +6,9 @@ Runs `rollwise train` on the config in a fresh process (its peak is the run's ow
 --steps steps, with held-out evaluations at step 0 and at the last step, and prints each
 phase's peak from the run's metrics (memory/phase/*: loading, warm start, evaluation,
 generation, scoring, update, sync), the step it was reached at, and the process's peak twice:
-from the metrics and from the kernel's accounting of the finished child (wait4's maxrss).
+from the metrics (their last row) and the kernel's high-water mark at the run's end, after its
+final checkpoint and save (summary.json). wait4's maxrss of the child is not used: it counts
+the parent's resident pages the child shared before it exec'd.
 KEY=VALUE arguments are passed to the run (a lever on or off, a smaller evaluation).
 """
 
@@ -14,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-GIB = 2 ** 30
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,19 +46,18 @@ def run_command(args, overrides: list[str], name: str) -> list[str]:
             f"run.name={name}", "run.log=plain", "run.report=false", "run.tensorboard=false"]
 
 
-def run_child(cmd: list[str], log: Path) -> tuple[int, int, float]:
-    """(exit status, the child's peak RSS in bytes from the kernel, seconds)."""
+def run_child(cmd: list[str], log: Path) -> tuple[int, float]:
+    """(exit status, seconds)."""
     t = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024, time.time() - t
+    return proc.returncode, time.time() - t
 
 
 def phase_peaks(rows: list[dict]) -> dict[str, dict]:
@@ -79,7 +77,7 @@ def render(result: dict) -> str:
     for name, p in result["phases"].items():
         lines.append(f"{name:<14}{p['peak_gib']:>10.2f}  {p['step']}")
     lines.append(f"{'whole process':<14}{result['peak_gib']:>10.2f}  (metrics); "
-                 f"{result['kernel_peak_gib']:.2f} (the kernel, at exit)")
+                 f"{result['kernel_peak_gib']:.2f} (the kernel, at the end)")
     return "\n".join(lines)
 
 
@@ -91,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(args.root) / f"{name}.log"
     cmd = run_command(args, overrides, name)
     print(f"running {' '.join(cmd[1:])}  (log: {log})", flush=True)
-    code, kernel_peak, seconds = run_child(cmd, log)
+    code, seconds = run_child(cmd, log)
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
         print("the run failed (exit %d); the end of its log:\n%s" % (code, "\n".join(tail)),
@@ -101,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": args.config, "overrides": overrides, "steps": args.steps,
               "phases": phase_peaks(rows),
               "peak_gib": max(r.get("memory/peak_gib", 0.0) for r in rows),
-              "kernel_peak_gib": kernel_peak / GIB, "seconds": seconds, "log": str(log)}
+              "kernel_peak_gib": json.loads((run_dir / "summary.json").read_text())[
+                  "memory_peak_gib"], "seconds": seconds, "log": str(log)}
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -22,9 +22,10 @@ def test_every_phase_has_a_peak_and_the_kernel_agrees(tmp_path, capsys):
     assert {"load", "warm_start", "eval", "generate", "score", "train", "sync"} <= set(phases)
     assert phases["generate"]["step"] == 1 and phases["load"]["step"] == 0
     peak = max(p["peak_gib"] for p in phases.values())
-    # the run's own figure is the kernel's high-water mark read before it exited
+    # the metrics' last figure is the kernel's high-water mark before the final save, the
+    # summary's after it; with checkpoints streamed to disk the save adds little
     assert peak <= result["peak_gib"] <= result["kernel_peak_gib"] + 1e-9
-    assert result["kernel_peak_gib"] - result["peak_gib"] < 0.25  # only the final save after
+    assert result["kernel_peak_gib"] - result["peak_gib"] < 0.25
     rows = [json.loads(x) for x in open(tmp_path / "default-memory" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1] and "eval/pass1" in rows[1]
     printed = capsys.readouterr().out
