@@ -30,8 +30,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--root", default="runs/bench-memory", help="where the run is written")
     p.add_argument("--name", default=None, help="the run's name (default: the config's + -memory)")
     p.add_argument("--json", default=None, help="write the result here")
-    args, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="passed to the run")
+    args = p.parse_args(argv)
+    overrides = args.overrides
+    bad = [o for o in overrides if "=" not in o]
     if bad:
         p.error(f"not an option or KEY=VALUE override: {' '.join(bad)}")
     if args.steps < 1:
