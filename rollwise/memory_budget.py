@@ -38,7 +38,6 @@ class ModelShape:
     dtype_bytes: int
     kv_bytes_per_token: int
     activation_bytes_per_token: int  # what the update keeps per token (microbatch.py)
-    positions: int
 
     @property
     def low_precision(self) -> bool:
@@ -53,8 +52,7 @@ def shape_of(model, cfg) -> ModelShape:
     dtype = torch.bfloat16 if size == 2 else torch.float32
     return ModelShape(params, trainable, size, kv_bytes_per_token(model.config, dtype),
                       activation_bytes_per_token(model.config, size,
-                                                 cfg.train.gradient_checkpointing),
-                      model.config.max_position_embeddings)
+                                                 cfg.train.gradient_checkpointing))
 
 
 def _lora_params(model, cfg) -> int:

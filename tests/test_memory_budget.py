@@ -21,8 +21,7 @@ from rollwise.memory_budget import (
 )
 
 SHAPE = ModelShape(params=100_000_000, trainable=100_000_000, dtype_bytes=2,
-                   kv_bytes_per_token=20_000, activation_bytes_per_token=60_000,
-                   positions=2048)
+                   kv_bytes_per_token=20_000, activation_bytes_per_token=60_000)
 SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
          "model.num_kv_heads=1", "model.intermediate_size=64", "task.train_size=300",
          "task.eval_size=40", "sft.steps=20", "sft.eval_every=10", "train.steps=2",

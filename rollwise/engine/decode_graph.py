@@ -357,8 +357,10 @@ class DecodeGraph:
     def _passes(self, st: WindowState, variant: Variant, steps: int, done: int = 0) -> int:
         """Passes `done`..`steps` uncaptured, the host checking after each whether a row
         stopped (free on a CPU; on CUDA a sync a pass, where captured graphs were given up)."""
-        while done < steps and not bool(st.done[:st.live].any()):  # a stop ends the window
-            self._pass(st, variant)  # there, as on the runner's path
+        while done < steps:
+            if done and bool(st.done[:st.live].any()):  # a stop ends the window there, as
+                break  # on the runner's path (no check before a window's first pass)
+            self._pass(st, variant)
             done += 1
         return done
 
