@@ -51,6 +51,7 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["peak_rss"] = dict(_PEAK)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the vLLM venv runs pytest without xdist
 def pytest_testnodedown(node, error):
     peak = getattr(node, "workeroutput", {}).get("peak_rss")
     if peak:
