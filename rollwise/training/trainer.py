@@ -87,11 +87,30 @@ def _padded_pass(model, batch: Batch, entropy_grad: bool, chunk: int | None,
 
 
 def _from_logits(logits: torch.Tensor, ids: torch.Tensor, entropy_grad: bool):
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return _from_logits_chunked(logits, ids)
     logp_all = logits[:, :-1].float().log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+    with torch.set_grad_enabled(entropy_grad):
         ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
+
+
+@torch.no_grad()
+def _from_logits_chunked(logits: torch.Tensor, ids: torch.Tensor):
+    """_from_logits without a gradient, a few tokens at a time: the fp32 log-softmax and its
+    products over every position would take several times the logits' own memory (about
+    2.7 GiB over 4,096 tokens of a 49k vocabulary, more than the rest of an update)."""
+    B, T, V = logits.shape
+    flat, targets = logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)
+    logp = torch.empty(B * (T - 1), device=logits.device)
+    ent = torch.empty_like(logp)
+    step = chunk_tokens(V, device=logits.device.type)
+    for i in range(0, flat.shape[0], step):
+        part = flat[i:i + step].float().log_softmax(-1)
+        logp[i:i + step] = part.gather(-1, targets[i:i + step, None]).squeeze(-1)
+        ent[i:i + step] = -(part.exp() * part).sum(-1)
+    return logp.view(B, T - 1), ent.view(B, T - 1)
 
 
 CHECK_TOKENS = 4096  # padded tokens of the fast paths' one-time check

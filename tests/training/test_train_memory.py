@@ -267,3 +267,28 @@ def test_released_gradients_leave_nothing_between_updates_and_change_nothing(tin
     assert runs[True][1] == runs[False][1]
     for p, q in zip(runs[True][0].params(), runs[False][0].params()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_reduced_without_gradient_a_few_tokens_at_a_time_match_the_whole_reduction(
+        dtype):
+    """The no-gradient reduction (the fast paths' check, the full-logit passes without the
+    chunked head) goes a few tokens at a time, so its fp32 temporaries stay small; each
+    position's log-softmax is the one over the whole tensor."""
+    from rollwise.training.head import chunk_tokens
+    from rollwise.training.trainer import _from_logits
+    torch.manual_seed(0)
+    V = 1 << 17  # chunk_tokens(V) = 48 positions: the 3 x 37 here span three chunks
+    logits, ids = (torch.randn(3, 38, V) * 4).to(dtype), torch.randint(0, V, (3, 38))
+    assert chunk_tokens(V) < 3 * 37
+    whole = logits[:, :-1].float().log_softmax(-1)
+    want_logp = whole.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want_ent = -(whole.exp() * whole).sum(-1)
+    with torch.no_grad():
+        logp, ent = _from_logits(logits, ids, entropy_grad=False)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-5)
+    grad = logits.float().requires_grad_()  # with a gradient: the whole reduction, as before
+    logp_g, _ = _from_logits(grad, ids, entropy_grad=False)
+    assert logp_g.requires_grad
+    torch.testing.assert_close(logp_g.detach(), want_logp, rtol=0, atol=1e-6)
