@@ -5,8 +5,8 @@
 # learn), FSDP2 on one GPU, and a profile of where the GPU's time goes.
 #   bash scripts/gpu_check.sh [OUT.json]                      # default gpu_check.json
 #   GPU_CHECK_DEVICE=cpu bash scripts/gpu_check.sh OUT.json   # the tiny CPU mode CI runs
-# rollwise's other dependencies install from ./.wheels when present (made where there is a
-# network: pip download -d .wheels <the packages this script names as missing>).
+# rollwise's other dependencies install from ./.whl when present (made where there is a
+# network: pip download -d .whl <the packages this script names as missing>).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_check.json}"
@@ -22,12 +22,15 @@ print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod)
 PY
 )
 if [ -n "$missing" ]; then
-  if [ -d .wheels ]; then
-    "$py" -m pip install -q --no-index --find-links .wheels $missing ||
-      { echo "gpu_check: could not install $missing from .wheels"; exit 2; }
+  if [ -d .whl ]; then  # into a folder of their own: the machine's site-packages may be read-only
+    site="${WHEEL_SITE:-/tmp/rollwise-site}"
+    "$py" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl ||
+      { echo "gpu_check: could not install the wheels of .whl/ into $site"; exit 2; }
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   else
-    echo "gpu_check: missing Python packages: $missing. Install them, or put their wheels in"
-    echo "  .wheels/ (pip download -d .wheels $missing) on a machine with a network."
+    echo "gpu_check: missing Python packages: $missing. Install them, or put their wheels and"
+    echo "  their dependencies' in .whl/ on a machine with a network (pip download"
+    echo "  --only-binary=:all: --python-version X.Y -d .whl $missing) and carry it along."
     exit 2
   fi
 fi
