@@ -36,6 +36,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         p.error(f"not an option or KEY=VALUE override: {' '.join(bad)}")
+    owned = {"run.root": "--root", "run.name": "--name", "train.steps": "--steps",
+             "run.eval_every": "--steps"}  # keys the command sets itself, after the overrides
+    taken = [f"{o} (use {owned[o.split('=')[0]]})" for o in overrides if o.split("=")[0] in owned]
+    if taken:
+        p.error(f"set by this command's own options: {', '.join(taken)}")
     if args.steps < 1:
         p.error("--steps must be at least 1")
     return args, overrides

@@ -43,3 +43,14 @@ def test_bad_arguments_are_refused_before_any_run(capsys):
 def test_a_failed_run_says_so_with_its_log(tmp_path, capsys):
     assert memory.main(["--root", str(tmp_path), "no.such_key=1"]) == 1
     assert "the run failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, option", [("run.root=elsewhere", "--root"),
+                                              ("run.name=mine", "--name"),
+                                              ("train.steps=9", "--steps")])
+def test_an_override_of_what_the_command_sets_itself_is_refused_naming_its_option(
+        override, option, capsys):
+    with pytest.raises(SystemExit):
+        memory.main([override])
+    err = capsys.readouterr().err
+    assert override in err and option in err
