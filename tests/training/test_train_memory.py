@@ -278,9 +278,9 @@ def test_logits_reduced_without_gradient_a_few_tokens_at_a_time_match_the_whole_
     from rollwise.training.head import chunk_tokens
     from rollwise.training.trainer import _from_logits
     torch.manual_seed(0)
-    V = 1 << 17  # chunk_tokens(V) = 48 positions: the 3 x 37 here span three chunks
-    logits, ids = (torch.randn(3, 38, V) * 4).to(dtype), torch.randint(0, V, (3, 38))
-    assert chunk_tokens(V) < 3 * 37
+    V = 1 << 17  # chunk_tokens(V) = 48 positions: each row's 100 here span three chunks
+    logits, ids = (torch.randn(2, 101, V) * 4).to(dtype), torch.randint(0, V, (2, 101))
+    assert 2 * chunk_tokens(V) < 100 < 3 * chunk_tokens(V)
     whole = logits[:, :-1].float().log_softmax(-1)
     want_logp = whole.gather(-1, ids[:, 1:, None]).squeeze(-1)
     want_ent = -(whole.exp() * whole).sum(-1)
