@@ -73,12 +73,19 @@ class _ChunkedHead(torch.autograd.Function):
             logp[s:s + chunk] = lp.gather(-1, target[s:s + chunk, None]).squeeze(-1)
             ent[s:s + chunk] = -torch.linalg.vecdot(lp.exp(), lp)  # one pass, no p * lp
         ctx.save_for_backward(hidden, weight, bias, target, ent, top, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.cast = chunk, _autocast_dtype(hidden.device.type)
         ctx.set_materialize_grads(False)  # an unused output sends None: no work for it
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
+        # the recomputed logits must be the forward's to the bit: under the forward's autocast
+        with torch.autocast(ctx.saved_tensors[0].device.type, dtype=ctx.cast or torch.float32,
+                            enabled=ctx.cast is not None):
+            return _ChunkedHead._backward(ctx, g_logp, g_ent)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_ent):
         hidden, weight, bias, target, ent, top, lse = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         n, chunk = hidden.shape[0], ctx.chunk
@@ -115,6 +122,11 @@ class _ChunkedHead(torch.autograd.Function):
                 d_bias.add_(dz.sum(0, dtype=torch.float32))
         return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype), None, None)
+
+
+def _autocast_dtype(device: str) -> torch.dtype | None:
+    """The dtype autocast runs products in on this device, or None when it is off."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def _logsoftmax(h, weight, bias, top, lse, fresh: bool):

@@ -21,6 +21,8 @@ from rollwise.config import Config
 from rollwise.devices import release_freed_memory
 from rollwise.stages.generate import build_generator
 from rollwise.tasks import Task
+from rollwise.training.head import captured_head, chunk_tokens, fusable
+from rollwise.training.trainer import enable_checkpointing
 
 PROGRESS_EVERY_S = 10.0  # a line at least this often, whatever sft.eval_every says
 
@@ -59,11 +61,13 @@ def collate(examples, pad_id: int):
     return ids, attn, labels
 
 
-def backward_in_parts(model, batch, pad_id: int, budget: int, dtype: torch.dtype):
+def backward_in_parts(model, batch, pad_id: int, budget: int, dtype: torch.dtype,
+                      trim: bool = False):
     """Backpropagate the batch's mean token loss a micro-batch at a time: examples sorted by
     length and cut at `budget` padded tokens (a long tail padded to its longest would double
-    the work), matrix products in `dtype` over the float32 weights (autocast). Returns the
-    loss (a detached scalar)."""
+    the work), matrix products in `dtype` over the float32 weights (autocast). trim: give the
+    allocator's free pages back before each part (train.trim_microbatches). Returns the loss
+    (a detached scalar)."""
     batch = sorted(batch, key=lambda ex: len(ex[0]))
     parts, part = [], []
     for ex in batch:
@@ -76,13 +80,33 @@ def backward_in_parts(model, batch, pad_id: int, budget: int, dtype: torch.dtype
     trained = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in collated)
     total = 0.0
     for ids, attn, labels in collated:
+        if trim:
+            release_freed_memory()
         with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(),
-                               ignore_index=-100, reduction="sum") / max(trained, 1)
+            loss = summed_token_loss(model, ids, attn, labels) / max(trained, 1)
         loss.backward()
         total += loss.item()
     return torch.tensor(total)
+
+
+def on_cpu(model) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
+def summed_token_loss(model, ids, attn, labels) -> torch.Tensor:
+    """-sum log p(label) over the labelled positions. Through the chunked head where the
+    model's head allows it: a 4,096-token micro-batch of a 49k vocabulary would otherwise hold
+    its fp32 logits, their log-softmax and its gradient, 0.8 GB each."""
+    at = labels[:, 1:] != -100
+    if fusable(model) is None:
+        chunk = chunk_tokens(model.config.vocab_size, device=ids.device.type)
+        with captured_head(model, lambda h: h[:, :-1][at.to(h.device)], labels[:, 1:][at],
+                           chunk) as got:
+            model(input_ids=ids, attention_mask=attn)
+        return -got["out"][0].sum()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    return F.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
 
 
 def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None,
@@ -96,13 +120,16 @@ def train_sft(model, tokenizer, task: Task, cfg: Config, log=print, eval_fn=None
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1 - s / max(c.steps, 1)))
     model.train()
+    if c.from_path and cfg.train.gradient_checkpointing:  # as the RL trainer runs it
+        enable_checkpointing(model)
     t0 = said = time.time()
     for step in range(1, c.steps + 1):
         batch = rng.sample(examples, min(c.batch_size, len(examples)))
         opt.zero_grad(set_to_none=True)
         if c.from_path:
             loss = backward_in_parts(model, batch, tokenizer.pad_token_id, c.microbatch_tokens,
-                                     models.DTYPES[cfg.model.dtype])
+                                     models.DTYPES[cfg.model.dtype],
+                                     trim=cfg.train.trim_microbatches and on_cpu(model))
         else:  # the built-in model's warm start: one pass, as its cached starts were made
             ids, attn, labels = collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rollwise.config import TrainConfig
-from rollwise.devices import keep_freed_memory
+from rollwise.devices import keep_freed_memory, release_freed_memory
 from rollwise.training import correction as corr
 from rollwise.training import lora, packed_attention
 from rollwise.training.advantages import (
@@ -188,8 +188,10 @@ class Trainer:
         # the base never moves under LoRA: its fingerprint, taken once, goes into checkpoints
         self._base = lora.base_fingerprint(model) if self.adapters else None
         self.model = model
-        if next(model.parameters()).device.type == "cpu":
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        if on_cpu:
             keep_freed_memory()  # activations and log-softmax temporaries reuse freed memory
+        self._trims = on_cpu and cfg.trim_microbatches
         self.cfg = cfg
         self.pad_id = pad_id
         self.seed = seed
@@ -745,6 +747,8 @@ class Trainer:
                 raise RuntimeError("trainer: the kept first pass misses a moving row")
             micros = (first[0],)  # its other rows are masked out: they add nothing
         for micro, mine in self._share(micros):
+            if self._trims:
+                release_freed_memory()
             n = float(prep.mask[micro].sum()) if mine else 0.0
             if n == 0 and self.shard is None:
                 continue

@@ -56,6 +56,25 @@ def test_values_and_gradients_equal_the_full_logits(chunk, upstream):
         assert close(got, want)
 
 
+def test_under_autocast_the_backward_recomputes_the_forwards_logits():
+    """fp32 weights with bf16 products (autocast, as the supervised warm start runs): the
+    backward pass recomputes each chunk's logits under the forward's autocast, so the
+    gradients are those of autograd through the same bf16 products."""
+    g = torch.Generator().manual_seed(5)
+    N, H, V = 40, 32, 300
+    hidden = (3 * torch.randn(N, H, generator=g)).requires_grad_(True)
+    weight = torch.randn(V, H, generator=g).requires_grad_(True)
+    target = torch.randint(0, V, (N,), generator=g)
+    w_lp = torch.randn(N, generator=g)
+    grads = []
+    for fn in (plain_head, lambda *a: head_logprobs(*a, chunk=7)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = fn(hidden, weight, None, target)
+        grads.append(torch.autograd.grad((lp * w_lp).sum(), (hidden, weight)))
+    for got, want in zip(grads[1], grads[0]):
+        assert close(got, want, rel=1e-2)
+
+
 def test_the_entropy_is_detached_unless_asked():
     h = torch.randn(5, 4, requires_grad=True)
     w = torch.randn(9, 4, requires_grad=True)

@@ -292,3 +292,21 @@ def test_logits_reduced_without_gradient_a_few_tokens_at_a_time_match_the_whole_
     logp_g, _ = _from_logits(grad, ids, entropy_grad=False)
     assert logp_g.requires_grad
     torch.testing.assert_close(logp_g.detach(), want_logp, rtol=0, atol=1e-6)
+
+
+def test_free_pages_go_back_before_each_micro_batch_and_change_nothing(tiny, groups,
+                                                                         monkeypatch):
+    """train.trim_microbatches: on a CPU the allocator's free pages are given back before
+    each micro-batch (one call each), and the gradient is that of the update without it."""
+    import rollwise.training.trainer as trainer_module
+    model, tok = tiny
+    calls = []
+    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda: calls.append(1))
+    grads, counts = {}, {}
+    for trim in (True, False):
+        calls.clear()
+        grads[trim], _, _ = one_update(model, tok, groups, trim_microbatches=trim,
+                                       max_tokens_per_microbatch=24, pack_prompts=False)
+        counts[trim] = len(calls)
+    assert counts[True] > 2 and counts[False] == 0
+    assert torch.equal(grads[True], grads[False])
