@@ -9,7 +9,9 @@ reset, so tools outside keep seeing the true peak. A phase that raised it gets t
 new mark, which is exact: nothing before it reached as high. A phase below the mark gets the
 largest RSS a thread read from /proc/self/statm every SAMPLE_S seconds while it ran (a
 transient shorter than that can be missed; it cannot have set the run's peak). Where /proc is
-missing (macOS), only the high-water mark is reported, from getrusage.
+missing (macOS), only the high-water mark is reported, from getrusage. The kernel's RSS
+counters are approximate by a few hundred KiB (per-CPU counts), so a read can pass the mark
+taken after it: the process's peak is the larger of the two.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class PhaseMemory:
         self._mark = high_water_bytes()  # the high-water mark when the current phase began
         self._sampled = resident_bytes() or 0  # the largest RSS read in the current phase
         self._peaks: dict[str, int] = {}
+        self._highest = 0  # the largest phase peak booked
         if self._sampled:
             _SAMPLER.add(self)
 
@@ -107,6 +110,7 @@ class PhaseMemory:
             peak = mark if mark > self._mark else max(self._sampled, now)
             if name and peak:
                 self._peaks[name] = max(self._peaks.get(name, 0), peak)
+                self._highest = max(self._highest, peak)
             self._mark, self._sampled = mark, now
 
     def take(self) -> dict[str, float]:
@@ -114,7 +118,8 @@ class PhaseMemory:
         with self._lock:
             out = {f"memory/phase/{k}_peak_gib": v / GIB for k, v in self._peaks.items()}
             self._peaks = {}
-        out["memory/peak_gib"] = high_water_bytes() / GIB
+            highest = self._highest
+        out["memory/peak_gib"] = max(high_water_bytes(), highest) / GIB
         return out
 
     def close(self) -> None:
