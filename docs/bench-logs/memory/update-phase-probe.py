@@ -1,10 +1,17 @@
-import sys, threading, time, collections, torch
-torch.set_num_threads(1)
+import os, sys, threading, time, collections, torch
+torch.set_num_threads(int(os.environ.get("THREADS","1")))
 from rollwise.report.memory import resident_bytes
 from rollwise.devices import release_freed_memory
 from rollwise import models
 from rollwise.config import load_config
-import rollwise.training.trainer as TT
+import rollwise.training.trainer as TT, os, ctypes
+# THREADS (1), N_GROUPS (16); allocator arms: MMAP_MB (blocks above it mapped afresh),
+# TRIM_MB (malloc_trim before each micro-batch, as train.trim_microbatches now does)
+if os.environ.get("MMAP_MB"):
+    _mb=float(os.environ["MMAP_MB"])
+    def _k():
+        libc=ctypes.CDLL("libc.so.6"); libc.mallopt(-3, int(_mb*(1<<20))); libc.mallopt(-1, int(_mb*(1<<20))*2); return True
+    TT.keep_freed_memory=_k
 from rollwise.bench.gpu import synthetic_groups
 G = 2**30
 cfg = load_config("smollm2", sys.argv[3:])
@@ -20,16 +27,18 @@ orig = TT.Trainer._micro_loss
 n = [0]
 def wrapped(self, prep, micro, *a, **k):
     n[0] += 1
+    if os.environ.get("TRIM_MB"):
+        release_freed_memory()
     phase[0] = f"fwd{n[0]}"
     out = orig(self, prep, micro, *a, **k)
     phase[0] = f"bwd{n[0]}"   # until the next forward or the optimizer step
     return out
 TT.Trainer._micro_loss = wrapped
 ostep = torch.optim.AdamW.step
-groups = synthetic_groups(16, 8, 70, int(sys.argv[2]), m.config.vocab_size)
+groups = synthetic_groups(int(os.environ.get("N_GROUPS","16")), 8, 70, int(sys.argv[2]), m.config.vocab_size)
 release_freed_memory(); time.sleep(0.1); print("before update rss", f"{resident_bytes()/G:.2f}")
 phase[0] = "prepare"
-t.update(groups)
+t0=time.time(); t.update(groups); print("update s", round(time.time()-t0,1))
 phase[0] = "after"; time.sleep(0.05)
 for k, v in peaks.items():
     if k in ("other", "prepare", "after") or k in ("fwd1", "bwd1", "fwd2", "bwd2", f"fwd{n[0]}", f"bwd{n[0]}"):
