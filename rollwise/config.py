@@ -851,10 +851,11 @@ class ReplayConfig(Section):
 class CorrectionConfig(Section):
     """Importance correction for tokens the current policy did not sample
     (rollwise.training.correction): engine mismatch and staleness."""
-    mode: Literal["none", "tis", "mis"] = "none"
+    mode: Literal["none", "tis", "mis", "icepop"] = "none"
     """'none': the anchor is taken as the behaviour policy; 'tis': loss weight
     min(anchor/behaviour, high); 'mis': drop tokens (or sequences) whose weight leaves
-    [low, high]."""
+    [low, high]; 'icepop': IcePop's two-sided token mask, 'mis' at level token (its paper's
+    band: low 0.5, high 5)."""
     level: Literal["token", "sequence"] = "token"
     """One weight per token, or one per sequence (product of its token ratios)."""
     low: float = Field(0.5, ge=0)
@@ -882,6 +883,9 @@ class CorrectionConfig(Section):
         if self.low >= self.high:
             raise ValueError(f"train.correction.low = {self.low} must be below high = "
                              f"{self.high}")
+        if self.mode == "icepop" and self.level != "token":
+            raise ValueError("train.correction.mode = icepop masks token by token: set "
+                             "train.correction.level = token (or mode = mis)")
         if self.anchor == "version" and self.snapshots < 1:
             raise ValueError("train.correction.anchor = 'version' needs train.correction."
                              "snapshots >= 1 (ideally >= max_staleness)")
@@ -1208,6 +1212,16 @@ class LoopConfig(Section):
     """async: the most policy versions a trained token may lag the policy it updates. Enforced
     by admission: step k's generation starts only once the trainer holds version
     k - 1 - max_staleness, so nothing is generated only to be dropped."""
+    carried_kv: Literal["auto", "keep", "recompute"] = "auto"
+    """What a sequence living across a weight sync does with the K/V the old weights computed:
+    APRIL's carried answers (paused between steps) and the async loop's requests in flight.
+    'keep': it continues from that K/V (no prefill again; its later tokens are sampled on a
+    context the old weights encoded, each keeping its version and behaviour log-probability
+    as sampled). 'recompute': prompt + response are prefilled again under the new weights.
+    'auto': recompute for carried answers, keep in flight (the built-in engine's weights are
+    written between two decode steps). keep needs the built-in engine (not loop.backend=ray
+    or engine.backend=vllm); kept answers hold K/V through the update, so run.memory_gib
+    then splits the budget between the cache and the update."""
     backend: Literal["local", "ray"] = "local"
     """'local': the engine in this process (or a child, sync.transport); 'ray': Ray actors
     with a built-in engine each (rollwise/engine/ray_pool.py), dead ones replaced, their
@@ -1362,6 +1376,28 @@ class Config(Section):
                              "train.downsample and train.subsample would count as group "
                              "members: set train.nudge.distill_coef = 0, or turn those off")
         return self
+
+    @model_validator(mode="after")
+    def _check_carried_kv(self):
+        where = ("loop.backend=ray" if self.loop.backend == "ray" else
+                 "engine.backend=vllm" if self.engine.backend == "vllm" else None)
+        if where and self.loop.carried_kv == "keep":
+            raise ValueError(f"loop.carried_kv = keep holds paused sequences' K/V in the "
+                             f"built-in engine; {where} prefills them again: set "
+                             f"loop.carried_kv = recompute (or auto)")
+        if where and self.loop.carried_kv == "recompute" and self.loop.mode == "async":
+            raise ValueError(f"loop.carried_kv = recompute in the async loop prefills the "
+                             f"requests in flight again after each weight push, which only "
+                             f"the built-in engine does; {where}: set loop.carried_kv = auto")
+        return self
+
+    def keeps_carried_kv(self) -> bool:
+        """Paused answers keep their K/V in the engine between rounds (APRIL's carry)."""
+        return self.loop.carried_kv == "keep"
+
+    def recomputes_in_flight(self) -> bool:
+        """The async loop prefills its requests in flight again after each weight push."""
+        return self.loop.mode == "async" and self.loop.carried_kv == "recompute"
 
     @model_validator(mode="after")
     def _resolve_auto_dtype(self):

@@ -13,7 +13,8 @@ faster; BENCHMARKS.md), so on any machine with room the run is cut the same way 
 rounding is the same. Only a budget that binds changes them, and then the run says so.
 
 With run.trim_memory the synchronous loop frees the engine's cache for the update, so the two
-share what is left; otherwise they split it.
+share what is left; otherwise (and when paused answers keep their K/V, loop.carried_kv=keep)
+they split it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def plan_memory(cfg, shape: ModelShape) -> MemoryPlan:
     budget, source = budget_bytes(cfg)
     fixed = fixed_bytes(cfg, shape)
     left = budget - sum(fixed.values())
-    shared = cfg.run.trim_memory and cfg.loop.mode == "sync"
+    # kept answers (loop.carried_kv=keep) hold their K/V through the update: nothing to share
+    shared = cfg.run.trim_memory and cfg.loop.mode == "sync" and not cfg.keeps_carried_kv()
     e = cfg.engine
     configured = e.kv_budget_tokens or (e.kv_budget_bytes and
                                         e.kv_budget_bytes // shape.kv_bytes_per_token)

@@ -152,3 +152,17 @@ class UncountedEngine:
 def uncounted_engine(cfg, model, tokenizer=None, run_dir=None):
     from rollwise.engine.backends import builtin
     return UncountedEngine(builtin(cfg, model, tokenizer, run_dir))
+
+
+class NoKeepEngine(UncountedEngine):
+    """A plugin engine that cannot keep a paused sequence's K/V (no can_keep_paused)."""
+
+    def __getattr__(self, name):
+        if name == "can_keep_paused":
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+def no_keep_engine(cfg, model, tokenizer=None, run_dir=None):
+    from rollwise.engine.backends import builtin
+    return NoKeepEngine(builtin(cfg, model, tokenizer, run_dir))

@@ -264,3 +264,22 @@ def test_a_cpu_machine_is_named_by_its_model_cores_and_bf16_path(monkeypatch, ca
         assert machine() == expected
     finally:
         machine.cache_clear()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["loop.carried_kv=keep", "engine.backend=vllm"], "engine.backend=vllm prefills"),
+    (["loop.carried_kv=keep", "loop.backend=ray"], "loop.backend=ray prefills"),
+    (["loop.carried_kv=recompute", "loop.mode=async", "loop.backend=ray"],
+     "only the built-in engine"),
+])
+def test_carried_kv_an_engine_cannot_honour_is_refused_naming_the_fix(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_carried_kv_choices_resolve_by_loop():
+    assert not load_config(None, []).keeps_carried_kv()  # auto: carried answers recompute
+    assert load_config(None, ["loop.carried_kv=keep"]).keeps_carried_kv()
+    assert not load_config(None, ["loop.mode=async"]).recomputes_in_flight()  # auto: keep
+    assert load_config(None, ["loop.mode=async",
+                              "loop.carried_kv=recompute"]).recomputes_in_flight()

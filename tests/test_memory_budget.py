@@ -56,10 +56,15 @@ def test_a_budget_with_room_sizes_to_what_pays_and_nothing_else():
     assert not p.binds
 
 
-@pytest.mark.parametrize("trim", [True, False])
-def test_a_budget_that_binds_cuts_both_parts_within_it(trim):
+@pytest.mark.parametrize("trim,keep", [(True, False), (False, False), (True, True)],
+                         ids=["shared", "split", "kept-kv-split"])
+def test_a_budget_that_binds_cuts_both_parts_within_it(trim, keep):
+    """Kept answers (loop.carried_kv=keep) hold K/V through the update: the budget is split
+    between the cache and the update even with run.trim_memory."""
     cfg = cfg_with(f"run.trim_memory={str(trim).lower()}", "generate.max_new_tokens=512",
-                   "control.prompts_per_step=64")
+                   "control.prompts_per_step=64",
+                   f"loop.carried_kv={'keep' if keep else 'auto'}")
+    trim = trim and not keep
     fixed = sum(fixed_bytes(cfg, SHAPE).values())
     budget = fixed + 0.1 * GIB
     plan = plan_memory(cfg.model_copy(update={"run": cfg.run.model_copy(

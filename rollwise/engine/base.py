@@ -65,6 +65,9 @@ class Engine(abc.ABC):
     # prompt and resumed tokens run through the model; None where the engine does not count
     prefill_tokens: int | None = None
     wire: str | None = None  # how payloads reach it: None here, 'shm'/'socket' a child process
+    # pause(keep=True) holds a sequence's K/V for its resume, across weight syncs: the built-in
+    # engine (in this process or a child); the Ray pool and vLLM prefill a resumed one again
+    can_keep_paused: bool = False
 
     @abc.abstractmethod
     def add(self, request: Request) -> int:
@@ -149,10 +152,12 @@ class SequenceControl(Protocol):
         """n children sharing the sequence's prefix; returns their seq_ids."""
 
     def pause(self, seq_id: int) -> Completion:
-        """Stop and free it, keeping it for `resume` (finish_reason 'paused')."""
+        """Stop and free it, keeping it for `resume` (finish_reason 'paused'). An engine with
+        can_keep_paused also takes keep=True: its K/V stays for the resume."""
 
     def resume(self, seq_id: int) -> None:
-        """Queue a paused sequence again (re-prefill under the current weights)."""
+        """Continue a paused sequence (a kept one from its K/V, else re-prefilled under the
+        current weights)."""
 
     def abort(self, seq_id: int) -> Completion:
         """Stop and free it for good (finish_reason 'abort')."""

@@ -14,8 +14,10 @@ Every token carries its behaviour log-probability (under the distribution actual
 after temperature, top-k and top-p), that distribution's entropy, and the policy version of the
 weights that produced it. `load_weights` writes new weights (full tensors or sparse
 (indices, values) updates) into the model in place; tokens sampled after it carry the new version.
-Sequences already running keep the K/V computed under older weights, as in vLLM; pause and resume
-a sequence to recompute them.
+Sequences already running keep the K/V computed under older weights, as in vLLM;
+`recompute_in_flight()` prefills them again, and so do pause and resume. `pause(keep=True)`
+holds a paused sequence's slot and K/V (through weight syncs too) so its resume needs no
+prefill; the scheduler evicts kept sequences for room (rollwise/engine/scheduler.py).
 
 `graph` picks how the passes run: "off", the Hugging Face model's own forward (runner.py, any
 causal LM); "eager" or "compile", the decode graph (decode_graph.py: the Llama family's
@@ -171,9 +173,10 @@ class BuiltinEngine(Engine):
     def release_idle_memory(self) -> bool:
         """On a CPU, between steps: the K/V cache and the decode windows' buffers are freed
         and their pages handed back to the OS (a GPU's are kept: its graphs are captured on
-        them). Nothing is freed while a sequence is waiting, running or paused."""
+        them). Nothing is freed while a sequence is waiting, running or kept (paused with its
+        K/V); a sequence paused without it holds none."""
         s = self.scheduler
-        if (self.runner.device.type != "cpu" or s.has_work() or s.paused or self._ready
+        if (self.runner.device.type != "cpu" or s.has_work() or s.kept or self._ready
                 or not self.runner.cache.k):
             return False
         self.runner.cache.resize(0, 0)
@@ -417,15 +420,48 @@ class BuiltinEngine(Engine):
         """Stop a sequence and free its slot; returns what it had (finish_reason "abort")."""
         return completion_of(self.scheduler.abort(seq_id))
 
-    def pause(self, seq_id: int) -> Completion:
-        """Stop a sequence and free its slot and memory, keeping it for `resume`; returns the
-        partial completion (finish_reason "paused")."""
-        return completion_of(self.scheduler.pause(seq_id))
+    can_keep_paused = True
+
+    def pause(self, seq_id: int, keep: bool = False) -> Completion:
+        """Stop a sequence, keeping it for `resume`; returns the partial completion
+        (finish_reason "paused"). keep=False frees its slot and memory; keep=True holds its
+        slot and K/V, across weight syncs too, until it is resumed (or evicted for room:
+        then its resume prefills again; rollwise/engine/scheduler.py)."""
+        return completion_of(self.scheduler.pause(seq_id, keep=keep))
 
     def resume(self, seq_id: int) -> None:
-        """Queue a paused sequence (ahead of new requests): it re-prefills prompt + partial
-        response under the current weights and continues its own random stream."""
+        """Continue a paused sequence with its own random stream: a kept one from its K/V at
+        the next pass, another queued ahead of new requests to re-prefill prompt + partial
+        response under the current weights."""
         self.scheduler.resume(seq_id)
+
+    def recompute_in_flight(self) -> int:
+        """After a weight sync: every running sequence prefills prompt + tokens again under
+        the new weights before its next token (loop.carried_kv=recompute in the async loop);
+        returns the K/V positions dropped."""
+        return self.scheduler.recompute_running()
+
+    def find_paused(self, request_id, ids: list[int]) -> tuple[int, int] | None:
+        """(seq_id, its response tokens) of a paused sequence of this request whose prompt +
+        tokens are `ids`, kept ones first; None if there is none."""
+        s = self.scheduler
+        for seq in (*s.kept.values(), *s.paused.values()):
+            if seq.request_id == request_id and seq.prompt + seq.tokens == list(ids):
+                return seq.seq_id, len(seq.tokens)
+        return None
+
+    def kept_metrics(self) -> dict[str, int]:
+        """Kept pauses so far: positions resumed from kept K/V (not prefilled) and kept
+        sequences evicted for room, and those kept now."""
+        s = self.scheduler
+        return {"kept_resumed_tokens": s.kept_resumed_tokens, "kept_evicted": s.evicted_kept,
+                "kept_now": len(s.kept)}
+
+    def metrics(self) -> dict[str, float]:
+        """The kept pauses' counts (engine/kept_*, totals over the run), once any was made."""
+        kept = self.kept_metrics()
+        return {f"engine/{k}": float(v) for k, v in kept.items()} if any(kept.values()) \
+            else {}
 
     # ---- weights ------------------------------------------------------------------------------
     def use_adapters(self, spec: AdapterSpec) -> None:

@@ -39,6 +39,8 @@ class EngineProcess(Engine):
     copy, needs /dev/shm as large as the model), or "socket", copied through the pipe's Unix
     socket (no shared memory; every byte moves, as over a network)."""
 
+    can_keep_paused = True  # pause(keep=True) and find_paused run in the child's engine
+
     def __init__(self, model, *, dtype: torch.dtype | None = None, threads: int | None = None,
                  version: int = 0, wire: str = "shm", timeout_s: float = 1800.0,
                  **engine_kwargs):

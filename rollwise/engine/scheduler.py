@@ -18,6 +18,13 @@ a PrefixIndex (rollwise/engine/prefix.py); a request admitted later whose ids st
 entry's gets those positions loaded into its slot (`plan.loads`) and prefills only the rest.
 The K/V is copied out of the slot right after the step that finished it (`take_saves`).
 
+Kept pauses (`pause(keep=True)`): the sequence stops but keeps its slot and K/V, so `resume`
+puts it back among the running ones with no prefill, even across a weight sync (its K/V then
+stays what the old weights computed). A kept sequence holds its rows and positions of the
+rectangle; a waiting request that cannot fit evicts kept sequences, the one holding the fewest
+positions first (the least prefill to redo), until it fits: an evicted one is an ordinary paused
+sequence, and its resume prefills prompt + tokens again.
+
 Shared prefixes (`share_prefix`): a request admitted while a running sequence (admitted under
 the current weights) starts with the same ids copies those positions from its slot (a copy
 before the pass, like a fork's) and prefills only the rest. One that shares its prefix only with
@@ -175,6 +182,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self.paused: dict[int, Sequence] = {}
+        self.kept: dict[int, Sequence] = {}  # paused with their slot and K/V (pause(keep=True))
+        self.evicted_kept = 0  # kept sequences whose K/V was dropped to admit others
+        self.kept_resumed_tokens = 0  # positions resumed from kept K/V instead of prefilled
         self.free_slots: list[int] = list(range(max_slots))  # a heap: lowest first
         self.cache_rows = 0
         self.cache_len = 0
@@ -207,7 +217,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def get(self, seq_id: int) -> Sequence:
-        for seq in (self.running.get(seq_id), self.paused.get(seq_id)):
+        for seq in (self.running.get(seq_id), self.paused.get(seq_id), self.kept.get(seq_id)):
             if seq is not None:
                 return seq
         for seq in self.waiting:
@@ -226,13 +236,11 @@ class Scheduler:
         loads: list[tuple[int, int, int]] = []
         admitted: set[int] = set()  # this pass's: no K/V to share until it has run
         budget = self.max_prefill_tokens
-        rows_need, len_need = self._occupied()
-        while self.waiting and self.free_slots:
+        while self.waiting:
             seq = self.waiting[0]
             key = tuple(seq.prefill_ids)
             leader = leaders.get(key)
-            need = max(rows_need, self.free_slots[0] + 1), max(len_need, seq.reservation)
-            shape = self._fit(*need)
+            shape = self._room_for(seq)
             if shape is None:
                 break
             hit = self.prefix.lookup(seq.prefill_ids) if leader is None and self.prefix \
@@ -265,34 +273,72 @@ class Scheduler:
             else:  # its K/V is the leader's, copied: it reused what the leader loaded
                 shared.append((seq, leader))
                 seq.prefix_entry, seq.prefix_hit = leader.prefix_entry, leader.prefix_hit
-            rows_need, len_need = need
         prefill.sort(key=lambda q: q.cached > 0)  # from position 0 first, then extensions
         # shrink (or give back when idle) once finished and paused sequences left it too big
-        self.cache_rows, self.cache_len = self._fit(rows_need, len_need) or (self.cache_rows,
-                                                                             self.cache_len)
+        self.cache_rows, self.cache_len = self._fit(*self._occupied()) or (self.cache_rows,
+                                                                           self.cache_len)
         copies, self._copies = self._copies, []
         return StepPlan(decode, prefill, copies, self.cache_rows, self.cache_len, shared, loads)
 
     def _compact(self) -> None:
         """Move running sequences from high slots into freed low ones (a K/V row copy each),
         so the running ones hold slots 0..n-1 and the runner reads their cache rows as one
-        slice instead of gathering them every step."""
+        slice instead of gathering them every step. Kept sequences in those low slots move
+        up first, to free slots past them (copies run in order)."""
         n = len(self.running)
         movers = sorted((q for q in self.running.values() if q.slot >= n), key=lambda q: q.slot)
         if not movers:
             return
-        holes = sorted(x for x in self.free_slots if x < n)
-        free = set(self.free_slots) - set(holes)
+        free = set(self.free_slots)
+        for seq in sorted((q for q in self.kept.values() if q.slot < n), key=lambda q: q.slot):
+            up = min((x for x in free if x >= n), default=None)
+            if up is None:  # every slot is taken: the runner gathers the rows instead
+                break
+            self._move(seq, up, free)
+        holes = sorted(x for x in free if x < n)
         for seq, hole in zip(movers, holes):
-            self._copies.append((seq.slot, hole, seq.cached))  # type: ignore[arg-type]
-            free.add(seq.slot)  # type: ignore[arg-type]
-            seq.slot = hole
+            self._move(seq, hole, free)
         self.free_slots = sorted(free)  # a sorted list is a valid heap
 
+    def _move(self, seq: Sequence, slot: int, free: set[int]) -> None:
+        self._copies.append((seq.slot, slot, seq.cached))  # type: ignore[arg-type]
+        free.add(seq.slot)  # type: ignore[arg-type]
+        free.discard(slot)
+        seq.slot = slot
+
     def _occupied(self) -> tuple[int, int]:
-        """Rows and positions the running sequences need."""
-        rows = max((s.slot + 1 for s in self.running.values()), default=0)
-        return rows, max((s.reservation for s in self.running.values()), default=0)
+        """Rows and positions the running and kept sequences need."""
+        held = [*self.running.values(), *self.kept.values()]
+        rows = max((s.slot + 1 for s in held), default=0)
+        return rows, max((s.reservation for s in held), default=0)
+
+    def _room_for(self, seq: Sequence):
+        """The cache shape that admits `seq` now beside what is running and kept, evicting kept
+        sequences until it fits; None while it cannot."""
+        while True:
+            if self.free_slots:
+                rows, length = self._occupied()
+                need = max(rows, self.free_slots[0] + 1), max(length, seq.reservation)
+                shape = self._fit(*need)
+                if shape is not None:
+                    return shape
+            if not self._evict_kept():
+                return None
+
+    def _evict_kept(self) -> bool:
+        """Drop the K/V of the kept sequence holding the fewest positions (it stays paused and
+        re-prefills on resume); False when none is kept."""
+        if not self.kept:
+            return False
+        seq = min(self.kept.values(), key=lambda q: (q.cached, q.seq_id))
+        del self.kept[seq.seq_id]
+        heapq.heappush(self.free_slots, seq.slot)  # type: ignore[arg-type]
+        if self.live is not None:
+            self.live.release(seq.seq_id)
+        seq.slot, seq.cached = None, 0
+        self.paused[seq.seq_id] = seq
+        self.evicted_kept += 1
+        return True
 
     def _fit(self, rows_need: int, len_need: int) -> tuple[int, int] | None:
         """The cache shape for this need, or None if over budget. The current shape is kept
@@ -445,6 +491,9 @@ class Scheduler:
             heapq.heappush(self.free_slots, seq.slot)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.seq_id in self.kept:
+            del self.kept[seq.seq_id]
+            heapq.heappush(self.free_slots, seq.slot)
         self.paused.pop(seq.seq_id, None)
         seq.slot, seq.cached = None, 0
 
@@ -456,26 +505,58 @@ class Scheduler:
         seq.emitted = len(seq.tokens)
         return seq
 
-    def pause(self, seq_id: int) -> Sequence:
-        """Stop and free a sequence, keeping its tokens for `resume` (which re-prefills)."""
+    def pause(self, seq_id: int, keep: bool = False) -> Sequence:
+        """Stop a sequence, keeping its tokens for `resume`. keep=False frees its slot (resume
+        re-prefills); keep=True holds its slot and K/V (resume continues from them) unless
+        it is evicted for room meanwhile. A waiting sequence has no K/V to keep."""
         seq = self.get(seq_id)
         if seq.status is SeqStatus.PAUSED:
             return seq
-        self._finish(seq, SeqStatus.PAUSED, "paused")
+        if keep and seq.status is SeqStatus.RUNNING:
+            del self.running[seq_id]
+            seq.status, seq.finish_reason = SeqStatus.PAUSED, "paused"
+            self.kept[seq_id] = seq
+        else:
+            self._finish(seq, SeqStatus.PAUSED, "paused")
+            self.paused[seq_id] = seq
         seq.emitted = len(seq.tokens)
-        self.paused[seq_id] = seq
         return seq
 
+    def recompute_running(self) -> int:
+        """Drop every running sequence's K/V and queue it (ahead of new requests, in its
+        order) to prefill prompt + tokens again: the weights changed and loop.carried_kv is
+        recompute. Its unreported tokens stay unreported. Returns the positions dropped."""
+        dropped = 0
+        for seq in reversed(list(self.running.values())):
+            dropped += seq.cached
+            del self.running[seq.seq_id]
+            heapq.heappush(self.free_slots, seq.slot)  # type: ignore[arg-type]
+            if self.live is not None:
+                self.live.release(seq.seq_id)
+            seq.slot, seq.cached, seq.status = None, 0, SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        return dropped
+
+    def is_kept(self, seq_id: int) -> bool:
+        """Paused with its K/V still in its slot (not evicted)."""
+        return seq_id in self.kept
+
     def resume(self, seq_id: int, front: bool = True) -> Sequence:
-        """Queue a paused sequence again (ahead of new requests, as APRIL's partial buffer)."""
-        seq = self.paused.get(seq_id)
+        """Continue a paused sequence: a kept one runs again from its K/V at the next pass;
+        another is queued (ahead of new requests, as APRIL's partial buffer) to re-prefill."""
+        seq = self.paused.get(seq_id) or self.kept.get(seq_id)
         if seq is None:
             raise KeyError(f"sequence {seq_id} is not paused; pause it before resume")
         if seq.done_reason() is not None:
             raise ValueError(f"sequence {seq_id} already has {len(seq.tokens)} tokens, its "
                              f"max_new_tokens; raise max_new_tokens to resume it")
-        del self.paused[seq_id]
         seq.finish_reason = None
+        if self.kept.pop(seq_id, None) is not None:
+            seq.status = SeqStatus.RUNNING
+            self.running[seq_id] = seq
+            self.kept_resumed_tokens += seq.cached
+            return seq
+        del self.paused[seq_id]
         self.add(seq, front=front)
         return seq
 

@@ -8,9 +8,11 @@ generate, score, persist: Run.produce) while the trainer updates on earlier ones
   samples (at version >= k - 1 - max_staleness) is trained at most max_staleness versions
   late, as AReaL's and SkyRL's admission bound it.
 - Weights mid-rollout: the trainer pushes each new version between two decode steps of the
-  engine (WeightGate). Requests in flight go on under the new weights; each token keeps the
-  version that sampled it and its behaviour log-probability, and the trainer's correction
-  (train.correction: decoupled anchor, snapshots, TIS/MIS, VCPO) sees both.
+  engine (WeightGate). Requests in flight go on under the new weights from the K/V the old
+  ones computed (loop.carried_kv = keep or auto), or prefill prompt + response again first
+  (recompute; the built-in engine); each token keeps the version that sampled it and its
+  behaviour log-probability, and the trainer's correction (train.correction: decoupled
+  anchor, snapshots, TIS/MIS, VCPO) sees both.
 - Idle points: evaluation and checkpoints wait until the producer is between two steps. A
   checkpoint holds the steps produced but not trained yet, so a resume trains each once.
 - max_staleness = 0: step k's generation starts after step k - 1 is trained, evaluated and
@@ -108,6 +110,8 @@ class Pipeline:
         self.gate = WeightGate()
         run.engine, run.gate = GatedEngine(run.engine, self.gate), self.gate
         cfg = run.cfg  # None: a bare run (tests)
+        self.recompute = cfg is not None and cfg.recomputes_in_flight()
+        self.recomputed = 0  # K/V positions dropped at pushes, to be prefilled again
         if cfg is not None and cfg.filter.judge.model is None:  # a judge on the policy's
             run.filter.attach_engine(run.engine, run.tokenizer)  # engine: gated as well
         if cfg is not None and max_staleness > 0 and cfg.train.correction.mode == "none":
@@ -146,7 +150,10 @@ class Pipeline:
     def _push(self) -> dict:
         # twice the bound: an engine call that does not answer fails first, naming the engine
         with self.gate.exclusive(2 * self.timeout):
-            return self.run.sync.push()
+            out = self.run.sync.push()
+            if self.recompute:  # loop.carried_kv=recompute: no token on the old weights' K/V
+                self.recomputed += self.run.engine.inner.recompute_in_flight()
+            return out
 
     def _take(self, step: int) -> StepResult:
         t0 = time.time()

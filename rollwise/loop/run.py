@@ -161,6 +161,8 @@ def torch_threads(cfg: Config, device) -> int:
 class Run:
     """Holds the stages and parts of one training run; `step()` is one pass of the loop."""
 
+    keep_kv = False  # loop.carried_kv=keep: paused answers keep their K/V between rounds
+
     def __init__(self, cfg: Config, progress: Progress, resume: bool = False,
                  inputs: Inputs | None = None):
         self.progress, self.closed = progress, False
@@ -203,6 +205,13 @@ class Run:
         except BaseException:
             self.engine.close()  # a child process or Ray actors would outlive the error
             raise
+        self.keep_kv = cfg.keeps_carried_kv()
+        if self.keep_kv and not getattr(self.engine, "can_keep_paused", False):
+            self.engine.close()
+            raise ConfigError(f"loop.carried_kv = keep: engine.backend={cfg.engine.backend} "
+                              f"({type(self.engine).__name__}) cannot keep a paused "
+                              f"sequence's K/V (no can_keep_paused); set loop.carried_kv = "
+                              f"recompute")
         self.sync = build_sync(cfg.sync, self.trainer, self.engine)
         self.rng = random.Random(cfg.run.seed)
         self.filter = build_group_filter(cfg, self.task, self.tokenizer)
@@ -270,7 +279,8 @@ class Run:
         for n in self.control.rounds(want, kept):                              # Control
             self.progress.phase("generate", self.tokens_note())
             groups = generate_round(self.engine, self.generator, self.control,  # Generate
-                                    self.params, n, step, ledger, self.prompter, self.gate)
+                                    self.params, n, step, ledger, self.prompter, self.gate,
+                                    self.keep_kv)
             self.progress.phase("score")
             _add(r.filter, self.filter.score(groups))                          # Filter
             self.extend(groups, r, ledger)  # DARS: more samples for hard prompts

@@ -73,11 +73,18 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str = 
       Secretly Brings You Off-Policy RL Training"): w = min(rho, high).
     mode 'mis' (masked IS, IcePop-style rejection; verl rollout_is 'mask'): w = rho when
       low <= rho <= high, else the token leaves the loss.
+    mode 'icepop' (Ling Team 2025, IcePop: the two-sided mask M(rho; low, high) on the
+      train/inference ratio of each token): 'mis' at level 'token', by that name; its paper's
+      band is [0.5, 5].
     level 'token': rho = exp(log_ratio_t); level 'sequence': rho = exp(sum_t log_ratio_t),
       one weight (and one keep/reject decision) for the whole sequence.
     """
-    if mode not in ("none", "tis", "mis"):
-        raise ValueError(f"train.correction.mode = {mode!r}: choose 'none', 'tis' or 'mis'")
+    if mode not in ("none", "tis", "mis", "icepop"):
+        raise ValueError(f"train.correction.mode = {mode!r}: choose 'none', 'tis', 'mis' or "
+                         f"'icepop'")
+    if mode == "icepop" and level != "token":
+        raise ValueError("train.correction.mode = icepop masks token by token: set "
+                         "train.correction.level = token (or mode = mis for sequences)")
     if level not in ("token", "sequence"):
         raise ValueError(f"train.correction.level = {level!r}: choose 'token' or 'sequence'")
     lr = log_ratio.detach()
@@ -116,6 +123,54 @@ def vcpo_lr_scale(ess_frac: float, rho0: float = 1.0) -> float:
     """VCPO (docs/methods.md#vcpo, mit-han-lab/vcpo): the step's learning rate is multiplied by
     sqrt(min(1, rho / rho0)), rho = ESS / B, the square-root rule chosen for Adam."""
     return math.sqrt(max(0.0, min(1.0, ess_frac / rho0)))
+
+
+SINCE_SYNC_BUCKETS = (0, 16, 64, 256)  # tokens since a response's latest weight sync
+
+
+@torch.no_grad()
+def carried_kv_metrics(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       versions: torch.Tensor, current_version: int,
+                       mask: torch.Tensor) -> dict[str, float]:
+    """Tokens trained by version age, and how far sampling after a weight sync moved from the
+    trainer's recompute under the same weights, by tokens since that sync.
+
+    A response that spans versions and whose latest tokens are the trainer's version V was
+    continued across a sync: with loop.carried_kv=keep on a context the old weights encoded,
+    with recompute on one prefilled again. pi_prox is then exactly "a recompute under the
+    same weights", so KL(mu || pi_prox) on those tokens (the k3 estimate, E_mu[rho - 1 -
+    log rho], rho = pi_prox / mu) is what the kept K/V adds to the engine's own mismatch:
+    `kl_one_version` is the same estimate on responses sampled by V alone."""
+    m: dict[str, float] = {}
+    on = mask > 0
+    if not on.any():
+        return m
+    age = (current_version - versions).clamp_min(0)
+    for a in range(int(age[on].max()) + 1):
+        n = float((on & (age == a)).sum())
+        if n:
+            m[f"tokens_age_{a}"] = n
+    d = prox_logp - behaviour_logp
+    k3 = d.exp() - 1 - d
+    now = on & (versions == current_version)
+    older = on & (versions < current_version)
+    spans = older.any(-1, keepdim=True)  # rows continued across a sync
+    single = now & ~older.any(-1, keepdim=True)
+    if single.any():
+        m["kl_one_version"] = float(k3[single].mean())
+    cont = now & spans
+    if cont.any():
+        first = torch.where(now, torch.arange(now.shape[1]).expand_as(now),
+                            now.shape[1]).min(-1, keepdim=True).values
+        since = torch.arange(now.shape[1]).expand_as(now) - first
+        edges = [*SINCE_SYNC_BUCKETS, None]
+        for lo, hi in zip(edges, edges[1:]):
+            sel = cont & (since >= lo) & (since < hi if hi is not None else True)
+            if sel.any():
+                name = f"kl_since_sync_{lo}_{hi}" if hi is not None else f"kl_since_sync_{lo}+"
+                m[name] = float(k3[sel].mean())
+                m[name.replace("kl_", "tokens_")] = float(sel.sum())
+    return m
 
 
 @torch.no_grad()

@@ -656,6 +656,8 @@ class Trainer:
         m.update({f"correction/{k}": v for k, v in isw.metrics.items()})
         m.update({f"correction/{k}": v for k, v in corr.ratio_metrics(
             prox, mu, version_logp, known, stale, mask).items()})
+        m.update({f"correction/{k}": v for k, v in corr.carried_kv_metrics(
+            prox, mu, batch.versions, self.version, batch.loss_mask).items()})
         live = mask.sum(-1) > 0
         ess = corr.effective_sample_size(corr.sequence_log_ratio(prox - mu, mask)[live])
         m["correction/ess"], m["correction/ess_frac"] = ess, ess / max(int(live.sum()), 1)

@@ -21,6 +21,11 @@ def test_bench_resume_shares_each_groups_prompt_and_keeps_the_answers(capsys):
     assert out["resume_prefill_saved"] == pytest.approx(on["shared_tokens"]
                                                         / off["prefill_tokens"])
     assert out["same_answers"] == 1.0  # float32: the copied K/V gives the same tokens
+    keep = out["per_round"]["keep"]
+    assert keep["resumed"] == out["resumed"] and keep["prefill_tokens"] == 0
+    assert out["keep_prefill_tokens"] == 0
+    # the same uniforms after the cut and the same weights: float32 gives the same answers
+    assert out["same_answers_kept"] == 1.0 and keep["decoded_tokens"] == off["decoded_tokens"]
 
 
 def test_a_cut_past_the_answers_length_is_refused_before_any_work(capsys):

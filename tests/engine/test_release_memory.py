@@ -39,18 +39,22 @@ def test_an_idle_engine_frees_its_cache_and_generates_as_before(wild, graph):
                                                           graph=graph).generate(requests())]
 
 
-def test_a_paused_or_waiting_sequence_keeps_the_cache(wild):
-    """A sequence paused mid-answer continues from its K/V: nothing is freed under it."""
+def test_a_kept_or_waiting_sequence_keeps_the_cache_a_plainly_paused_one_does_not(wild):
+    """A sequence paused with keep=True continues from its K/V: nothing is freed under it. One
+    paused without it holds no K/V (its resume prefills again), so the cache may go; both
+    continue with the tokens of an uninterrupted run."""
     params = dataclasses.replace(SAMPLED, seed=3, max_new_tokens=12)
     want = BuiltinEngine(wild, max_batch=4, segment=5).generate([Request(PROMPTS[1], params)])
-    eng = BuiltinEngine(wild, max_batch=4, segment=5)
-    sid = eng.add(Request(PROMPTS[1], params))
-    events = contract.run_to_tokens(eng, sid, 4)
-    eng.pause(sid)
-    assert not eng.release_idle_memory() and eng.runner.cache.num_tokens > 0
-    eng.resume(sid)
-    events += contract.drain(eng)
-    assert contract.collect(events, sid) == want[0].token_ids
+    for keep in (True, False):
+        eng = BuiltinEngine(wild, max_batch=4, segment=5)
+        sid = eng.add(Request(PROMPTS[1], params))
+        events = contract.run_to_tokens(eng, sid, 4)
+        eng.pause(sid, keep=keep)
+        assert eng.release_idle_memory() is not keep
+        assert (eng.runner.cache.num_tokens > 0) is keep
+        eng.resume(sid)
+        events += contract.drain(eng)
+        assert contract.collect(events, sid) == want[0].token_ids
     waiting = BuiltinEngine(wild, max_batch=4, segment=5)
     waiting.generate(requests())
     waiting.add(Request(PROMPTS[0], SAMPLED))

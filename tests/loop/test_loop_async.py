@@ -78,6 +78,25 @@ def _slow_pipeline_run(cfg):
     return run
 
 
+def _record_versions_and_batches(run):
+    """The weights of every version the trainer pushes, and every batch it trains, as the
+    run goes: ({version: state_dict}, [groups of each update])."""
+    weights = {0: {k: v.clone() for k, v in run.trainer.model.state_dict().items()}}
+    push = run.sync.push
+
+    def push_and_remember():
+        out = push()
+        weights[run.trainer.version] = {k: v.clone()
+                                        for k, v in run.trainer.model.state_dict().items()}
+        return out
+    run.sync.push = push_and_remember
+    trained = []
+    update = run.trainer.update
+    run.trainer.update = lambda groups, dropped=(): (trained.append(groups),
+                                                     update(groups, dropped))[1]
+    return weights, trained
+
+
 @pytest.mark.integration
 def test_rollouts_span_updates_and_keep_each_tokens_version_and_logprob(tmp_path):
     cfg = load_config(None, SMALL + ASYNC + ["loop.max_staleness=1", f"run.root={tmp_path}",
@@ -95,19 +114,7 @@ def test_rollouts_span_updates_and_keep_each_tokens_version_and_logprob(tmp_path
             v += ev.versions
         return events
     run.engine.step = recording_step
-    weights = {0: {k: v.clone() for k, v in run.trainer.model.state_dict().items()}}
-    push = run.sync.push
-
-    def push_and_remember():
-        out = push()
-        weights[run.trainer.version] = {k: v.clone()
-                                        for k, v in run.trainer.model.state_dict().items()}
-        return out
-    run.sync.push = push_and_remember
-    trained = []
-    update = run.trainer.update
-    run.trainer.update = lambda groups, dropped=(): (trained.append(groups),
-                                                     update(groups, dropped))[1]
+    weights, trained = _record_versions_and_batches(run)
     pipeline = Pipeline(run, 1, 60)
     results = list(pipeline.steps(1, 4))
     assert [r.version for r in results] == [1, 2, 3, 4]
@@ -133,6 +140,37 @@ def test_rollouts_span_updates_and_keep_each_tokens_version_and_logprob(tmp_path
             assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4)
             checked += 1
     assert checked > 10
+
+
+def _logprobs_under(model, weights, s) -> torch.Tensor:
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = model(ids).logits[0, len(s.prompt_ids) - 1:-1].float().log_softmax(-1)
+    return logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+
+
+@pytest.mark.integration
+def test_recompute_prefills_requests_in_flight_again_after_each_push(tmp_path):
+    """loop.carried_kv=recompute: after a push the requests in flight are prefilled again
+    under the new weights, so every token of version v has the log-probability of a full
+    forward pass of v over the whole context, even in a rollout that spans versions."""
+    cfg = load_config(None, SMALL + ASYNC + ["loop.max_staleness=1", f"run.root={tmp_path}",
+                                             "train.steps=3", "loop.carried_kv=recompute"])
+    run = _slow_pipeline_run(cfg)
+    weights, trained = _record_versions_and_batches(run)
+    pipeline = Pipeline(run, 1, 60)
+    list(pipeline.steps(1, 3))
+    assert pipeline.recomputed > 0
+    spanning = [s for groups in trained for g in groups for s in g.samples
+                if len(set(s.versions)) > 1]
+    assert spanning, "no rollout continued across a weight update"
+    model = run.trainer.model
+    for s in spanning:
+        got, versions = torch.tensor(s.logprobs), torch.tensor(s.versions)
+        for v in set(s.versions):
+            ref = _logprobs_under(model, weights[v], s)
+            assert torch.allclose(ref[versions == v], got[versions == v], atol=1e-4)
 
 
 @pytest.mark.integration

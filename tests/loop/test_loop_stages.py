@@ -106,6 +106,53 @@ def test_april_with_shared_prefixes_prefills_what_running_answers_share_once(tmp
         assert m["tokens/prefilled"] < p["tokens/prefilled"]
 
 
+@pytest.mark.integration
+def test_april_keeping_carried_kv_prefills_no_carried_answer_and_loses_nothing(tmp_path):
+    """loop.carried_kv=keep: carried answers stay paused in the engine with their K/V across
+    the update and sync, and go on from it: a step prefills only its new groups' prompts.
+    Every sample is stored once, and the trainer reports the tokens continued across a sync
+    by tokens since it, beside responses of one version."""
+    april = ["control.inflight=april", "generate.max_new_tokens=48", "engine.segment=4",
+             "train.steps=4", "run.eval_every=4"]
+    _, plain, _ = run(tmp_path, "recompute", *april)
+    _, lines, samples = run(tmp_path, "keep", *april, "loop.carried_kv=keep")
+    assert len({s.uid for s in samples}) == len(samples) and all(s.finished for s in samples)
+    assert any(len(set(s.versions)) > 1 for s in samples)  # continued across a sync
+    for m in lines:  # a group's first token is sampled by the weights of the step it began
+        begun = {s.group_id: len(s.prompt_ids) for s in samples
+                 if s.versions[0] == m["policy/version"] - 1}
+        assert m["tokens/prefilled"] >= sum(begun.values())  # (more: a kept one evicted)
+    assert lines[-1]["engine/kept_resumed_tokens"] > 0
+    assert sum(m["tokens/prefilled"] for m in lines) < sum(m["tokens/prefilled"] for m in plain)
+    assert any(k.startswith("train/correction/kl_since_sync_") for m in lines for k in m)
+    assert all("train/correction/tokens_age_0" in m for m in lines)
+
+
+@pytest.mark.integration
+def test_a_killed_run_keeping_carried_kv_resumes_losing_nothing(tmp_path):
+    """The kept K/V dies with the process; the carry is in the checkpoint as data, so the
+    resumed run submits those answers again (prefilled under the weights of the moment):
+    each step once, each rollout stored once, none lost."""
+    import signal
+
+    from loop_helpers import SMALL as CRASH_RUN
+    from loop_helpers import check_resumed, fork_main
+    run_dir = tmp_path / "kept"
+    argv = ["train", *CRASH_RUN, "control.inflight=april", "loop.carried_kv=keep",
+            "generate.max_new_tokens=32", f"run.root={tmp_path}", "run.name=kept"]
+    assert fork_main(argv, "train:3") == -signal.SIGKILL
+    assert fork_main(["train", "--resume", str(run_dir)]) == 0
+    check_resumed(run_dir, steps=6, eta=6)
+
+
+def test_keeping_kv_on_an_engine_that_cannot_is_refused_before_any_step(tmp_path):
+    from rollwise.config import ConfigError
+    with pytest.raises(ConfigError, match="cannot keep a paused sequence's K/V"):
+        run(tmp_path, "nokeep", "control.inflight=april", "loop.carried_kv=keep",
+            "engine.backend=tests.loop_helpers:no_keep_engine")
+    assert not (tmp_path / "nokeep" / "metrics.jsonl").exists()
+
+
 def test_a_step_counts_the_prompt_tokens_it_prefilled_once_per_group(tmp_path):
     """A group's members share their prompt's prefill (one pass admits them together), so a
     plain step prefills each of its prompts once: what APRIL's resumed answers add shows."""

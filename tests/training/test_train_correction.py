@@ -52,6 +52,38 @@ def test_importance_weights_match_naive_loop(mode, level):
         assert out.metrics["is_truncated_frac"] > 0 and out.weights.max() == 1.5
 
 
+def test_icepop_is_the_two_sided_token_mask():
+    out = corr.importance_weights(LOG_RATIO, MASK, "icepop", "token", low=0.6, high=1.5)
+    assert out.weights.tolist() == [pytest.approx(r, rel=1e-5)
+                                    for r in naive_weights("mis", "token", 0.6, 1.5)]
+    with pytest.raises(ValueError, match="level = token"):
+        corr.importance_weights(LOG_RATIO, MASK, "icepop", "sequence")
+    with pytest.raises(ValueError, match="level = token"):
+        CorrectionConfig(mode="icepop", level="sequence")
+
+
+def test_carried_kv_metrics_by_version_age_and_tokens_since_the_sync():
+    """Row 0 spans versions 1 -> 3 (continued across a sync), row 1 is version 3 alone, row 2
+    version 2; the trainer is at 3. Against a loop over the tokens."""
+    T = 300
+    versions = torch.full((3, T), 3)
+    versions[0, :5] = 1
+    versions[2] = 2
+    mask = torch.ones(3, T)
+    mask[1, 200:] = 0
+    g = torch.Generator().manual_seed(0)
+    d = 0.3 * torch.randn(3, T, generator=g)  # log(pi_prox / mu)
+    mu = -torch.rand(3, T, generator=g)
+    m = corr.carried_kv_metrics(mu + d, mu, versions, 3, mask)
+    assert (m["tokens_age_0"], m["tokens_age_1"], m["tokens_age_2"]) == (495, 300, 5)
+    k3 = [[math.exp(x) - 1 - x for x in row] for row in d.tolist()]
+    assert m["kl_one_version"] == pytest.approx(sum(k3[1][:200]) / 200, rel=1e-5)
+    since = {"0_16": (5, 21), "16_64": (21, 69), "64_256": (69, 261), "256+": (261, T)}
+    for name, (a, b) in since.items():
+        assert m[f"kl_since_sync_{name}"] == pytest.approx(sum(k3[0][a:b]) / (b - a), rel=1e-5)
+        assert m[f"tokens_since_sync_{name}"] == b - a
+
+
 def test_bad_mode_names_the_field():
     with pytest.raises(ValueError, match="train.correction.mode"):
         corr.importance_weights(LOG_RATIO, MASK, "clip")

@@ -46,12 +46,13 @@ def check_generator(generator: Generator, task, cfg) -> None:
 
 
 def generate_round(engine, generator: Generator, control, params, n: int, step: int,
-                   ledger, prompter, gate=None) -> list:
+                   ledger, prompter, gate=None, keep_kv: bool = False) -> list:
     """One round of `n` groups: the in-flight controller's carried groups resume first, then
     new prompts from Control, their ids made by `prompter` (rollwise.tasks.prompts) before the
-    generator sees them; returns the groups the controller releases for scoring."""
+    generator sees them; returns the groups the controller releases for scoring. keep_kv:
+    paused samples keep their K/V in the engine for the next round (Rollout)."""
     carried, fresh = control.inflight.begin(n, step)
-    rollout = Rollout(engine, control.inflight, ledger, params, gate)
+    rollout = Rollout(engine, control.inflight, ledger, params, gate, keep_kv)
     for g in carried:
         rollout.add(g)
     problems = prompter.render(control.select(fresh, step, ledger))

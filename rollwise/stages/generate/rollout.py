@@ -6,6 +6,12 @@ versions, entropies, never re-tokenized text) and asks the generator's own hook 
 branching) and then the in-flight controller what to do, applying pause / abort / fork and
 counting each decision with its reason. A sample's request is always prompt + its response so
 far, so a paused sample resumes where it stopped, under the weights of the moment.
+
+With keep_kv (loop.carried_kv=keep, on an engine that can_keep_paused) a paused sample's
+sequence stays in the engine with its K/V: a later round that adds the sample resumes that
+sequence (no prefill, its own random stream) instead of submitting it again. Otherwise the
+engine's paused sequence is dropped once its tokens are in the sample, and a later round
+prefills prompt + response again under the weights of that moment.
 """
 
 from __future__ import annotations
@@ -28,11 +34,16 @@ EventHook = Callable[[Event, Sample, "Rollout"], Decision | None]
 
 class Rollout:
     def __init__(self, engine, controller: InflightController, ledger: Ledger,
-                 params: SamplingParams, gate=None):
+                 params: SamplingParams, gate=None, keep_kv: bool = False):
         """gate: the asynchronous loop's WeightGate (rollwise.loop.async_), held for each
         engine step and its events so that no weight push lands between them; None when
-        nothing pushes weights during the round."""
+        nothing pushes weights during the round. keep_kv: paused samples keep their K/V in
+        the engine for a later round (the engine must can_keep_paused)."""
         engine = registry.conform(engine, Engine, "the rollout's engine")
+        if keep_kv and not getattr(engine, "can_keep_paused", False):
+            raise ValueError(f"keep_kv: {type(engine).__name__} cannot keep a paused "
+                             f"sequence's K/V; use the built-in engine or recompute")
+        self.keep_kv = keep_kv
         if engine.has_unfinished():
             raise RuntimeError("a rollout round needs an idle engine, but requests from an "
                                "earlier round are still in flight")
@@ -159,6 +170,13 @@ class Rollout:
             # draws from the sample's seed and its length, whatever else the engine runs
             params = dataclasses.replace(params, seed=s.meta["seed"] + s.num_tokens)
         s.status = Status.RUNNING
+        kept = self.engine.find_paused(s.uid, s.prompt_ids + s.response_ids) \
+            if self.keep_kv else None
+        if kept is not None:  # its sequence is in the engine: continue it where it stopped
+            seq_id, n = kept
+            self.engine.resume(seq_id)
+            self._owner[seq_id] = (group, s, s.num_tokens - n)
+            return
         seq_id = self.engine.add(Request(s.prompt_ids + s.response_ids, params, s.uid))
         self._owner[seq_id] = (group, s, s.num_tokens)
 
@@ -194,8 +212,11 @@ class Rollout:
         if d.action == "fork":
             self._fork(seq_id, d)
             return
-        c: Completion = self.engine.pause(seq_id) if d.action == "pause" \
-            else self.engine.abort(seq_id)
+        keep = d.action == "pause" and self.keep_kv
+        c: Completion = self.engine.pause(seq_id, keep=True) if keep else \
+            self.engine.pause(seq_id) if d.action == "pause" else self.engine.abort(seq_id)
+        if d.action == "pause" and not keep:  # resubmitted as a new request later: the
+            self.engine.abort(seq_id)  # engine need not hold its tokens meanwhile
         k = s.num_tokens - base  # events carried the tokens up to here
         s.extend(c.token_ids[k:], c.logprobs[k:], c.versions[k:], c.entropies[k:])
         s.status = FINISH[c.finish_reason]

@@ -37,9 +37,9 @@ class Rounds:
     def carry(self):
         return self.april.carry
 
-    def generate(self, engine, select, want, step, ledger):
+    def generate(self, engine, select, want, step, ledger, keep_kv=False):
         return generate_round(engine, self.gen, self, self.params, want, step, ledger,
-                              self.prompter)
+                              self.prompter, keep_kv=keep_kv)
 
 
 def make(tiny, want=2, group_size=4, max_new=14):
@@ -88,6 +88,57 @@ def test_carried_samples_keep_exact_tokens_logprobs_and_versions(tiny):
             assert torch.allclose(torch.tensor(s.logprobs[n:]), ref_new, atol=1e-4)
             checked += 1
     assert checked > 0
+
+
+def kept_forward_logprobs(old, new, sample, n):
+    """Log-probs of a sample's tokens n.. when the K/V of prompt + its first n - 1 tokens came
+    from `old` and `new` fed the rest (loop.carried_kv=keep across a sync)."""
+    from transformers import DynamicCache
+
+    from rollwise.engine.runner import cache_kwarg
+    p, ids = len(sample.prompt_ids), sample.prompt_ids + sample.response_ids
+    kw = {cache_kwarg(old): DynamicCache(), "use_cache": True}
+    with torch.no_grad():
+        old(input_ids=torch.tensor([ids[:p + n - 1]]), **kw)
+        logp = new(input_ids=torch.tensor([ids[p + n - 1:-1]]), **kw).logits[0].float()
+    return logp.log_softmax(-1).gather(-1, torch.tensor(ids[p + n:])[:, None]).squeeze(-1)
+
+
+def test_kept_carried_samples_continue_on_their_k_v_with_no_prefill(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    gen, engine, select = make((model, tok))
+    gen.generate(engine, select, 2, step=1, ledger=Ledger(), keep_kv=True)
+    paused = [s for g in gen.carry for s in g.samples if s.status == Status.PAUSED]
+    assert paused and len(engine.scheduler.kept) == len(paused)
+    snapshot = {s.uid: len(s.response_ids) for s in paused}
+    old_model = copy.deepcopy(engine.model)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    engine.load_weights(new, version=1)
+    carried = {s.uid for g in gen.carry for s in g.samples}
+    prefilled = engine.prefill_tokens
+    later = gen.generate(engine, select, 2, step=2, ledger=Ledger(), keep_kv=True)
+    fresh = [g for g in later + gen.carry if all(s.uid not in carried for s in g.samples)]
+    # only the new groups' prompts were prefilled (once a group: its samples fork from it);
+    # every carried answer went on from its K/V
+    assert fresh and engine.prefill_tokens - prefilled == sum(len(g.samples[0].prompt_ids)
+                                                              for g in fresh)
+    checked = 0
+    for s in (s for g in later + gen.carry for s in g.samples if s.uid in snapshot):
+        n = snapshot[s.uid]
+        assert s.versions[:n] == [0] * n and all(v == 1 for v in s.versions[n:])
+        if s.finished and s.num_tokens > n:
+            ref = kept_forward_logprobs(old_model, engine.model, s, n)
+            assert torch.allclose(torch.tensor(s.logprobs[n:]), ref, atol=1e-4)
+            checked += 1
+    assert checked > 0
+
+
+def test_without_keep_the_engine_holds_no_paused_sequence_between_rounds(tiny):
+    gen, engine, select = make(tiny)
+    for step in (1, 2):
+        gen.generate(engine, select, 2, step=step, ledger=Ledger())
+        assert any(s.status == Status.PAUSED for g in gen.carry for s in g.samples)
+        assert not engine.scheduler.paused and not engine.scheduler.kept
 
 
 def test_exactly_want_groups_and_nothing_lost_or_duplicated(tiny):
